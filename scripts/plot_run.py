@@ -1,0 +1,214 @@
+"""Plot one or more training runs: loss with spikes, patch-embedding RMS, learning rate, loss scale.
+
+Usage: python scripts/plot_run.py RUN_DIR [RUN_DIR ...] [-o OUT.png]
+
+Each RUN_DIR holds metrics.jsonl and optionally spikes.jsonl (events of src.trainer.spikes) and
+config.yaml (for spikes.rms_threshold and optim.name). Several runs overlay, one colour per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+# Kept equal to SpikeConfig.rms_threshold (a test checks); the script runs without `src` importable.
+DEFAULT_RMS_THRESHOLD = 2.3
+LOSS, RMS, LR, SCALE = "train/loss", "optim/rms/patch_embed", "train/lr", "scaler/scale"
+
+
+class RunError(Exception):
+    """A run directory that cannot be plotted; the message names the offending path."""
+
+
+@dataclass
+class Run:
+    label: str
+    metrics: list[dict[str, Any]]
+    spikes: list[dict[str, Any]] = field(default_factory=list)
+    rms_threshold: float = DEFAULT_RMS_THRESHOLD
+
+    def series(self, key: str, positive: bool = False) -> tuple[list[float], list[float]]:
+        """(steps, values) of the lines with a numeric `key`, sorted by step.
+
+        A resumed run logs some steps twice; the later line wins. Non-finite values become NaN so the
+        curve shows a gap there instead of wrecking the axis limits.
+        """
+        by_step: dict[float, float] = {}
+        for row in self.metrics:
+            step, value = row.get("step"), row.get(key)
+            if _is_number(step) and _is_number(value) and (value > 0 or not positive):
+                by_step[step] = value if math.isfinite(value) else math.nan
+        steps = sorted(by_step)
+        return steps, [by_step[s] for s in steps]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RunError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise RunError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _lookup(config: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(config, dict):
+            return None
+        config = config.get(key)
+    return config
+
+
+def load_run(run_dir: Path) -> Run:
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir}: run directory does not exist")
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise RunError(f"{metrics_path}: metrics file does not exist")
+    run = Run(label=run_dir.resolve().name, metrics=read_jsonl(metrics_path))
+    if (run_dir / "spikes.jsonl").is_file():
+        run.spikes = read_jsonl(run_dir / "spikes.jsonl")
+    config_path = run_dir / "config.yaml"
+    if config_path.is_file():
+        try:
+            config = yaml.safe_load(config_path.read_text())
+        except yaml.YAMLError as e:
+            raise RunError(f"{config_path}: malformed YAML ({e})") from e
+        threshold = _lookup(config, "spikes.rms_threshold")
+        if _is_number(threshold):
+            run.rms_threshold = float(threshold)
+        optim_name = _lookup(config, "optim.name")
+        if optim_name:
+            run.label += f" ({optim_name})"
+    return run
+
+
+def _no_data(ax) -> None:
+    ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
+
+
+def _spike_markers(ax, run: Run, kind: str, value_key: str, color: str) -> bool:
+    """Mark `kind` events; loss events are filled when an RMS spike preceded them."""
+    drawn = False
+    for event in run.spikes:
+        step, value = event.get("step"), event.get(value_key)
+        if event.get("type") != kind or not _is_number(step):
+            continue
+        drawn = True
+        if not _is_number(value) or not math.isfinite(value):
+            # A non-finite loss has no height to mark; show where it happened instead.
+            ax.axvline(step, color=color, linestyle=":", linewidth=1)
+            continue
+        filled = kind == "rms" or bool(event.get("preceded_by_rms_spike"))
+        ax.plot(
+            [step],
+            [value],
+            linestyle="none",
+            marker="o" if kind == "loss" else "^",
+            markersize=7,
+            markeredgecolor=color,
+            markerfacecolor=color if filled else "none",
+            markeredgewidth=1.5,
+        )
+    return drawn
+
+
+def plot(runs: list[Run], out: Path) -> None:
+    fig = Figure(figsize=(11, 11), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(4, 1, sharex=True)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+
+    for ax, key in zip(axes, (LOSS, RMS, LR, SCALE), strict=True):
+        drawn = False
+        for run, color in zip(runs, colors, strict=True):
+            steps, values = run.series(key, positive=key == SCALE)  # the scale panel is log-scaled
+            if steps:
+                ax.plot(steps, values, color=color, linewidth=1)
+                drawn = True
+            if key == LOSS:
+                drawn |= _spike_markers(ax, run, "loss", "loss", color)
+            elif key == RMS:
+                drawn |= _spike_markers(ax, run, "rms", "rms", color)
+        if key == RMS and drawn:
+            for threshold in sorted({run.rms_threshold for run in runs}):
+                ax.axhline(
+                    threshold, color="black", linestyle="--", linewidth=1, label=f"threshold {threshold:g}"
+                )
+        if key == SCALE and drawn:
+            ax.set_yscale("log")
+        if not drawn:
+            _no_data(ax)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+
+    if any(event.get("type") == "loss" for run in runs for event in run.spikes):
+        axes[0].legend(
+            handles=[
+                Line2D(
+                    [], [], linestyle="none", marker="o", color="black", label="loss spike after RMS spike"
+                ),
+                Line2D(
+                    [],
+                    [],
+                    linestyle="none",
+                    marker="o",
+                    color="black",
+                    markerfacecolor="none",
+                    label="loss spike, no RMS spike",
+                ),
+                Line2D([], [], linestyle=":", color="black", label="non-finite loss"),
+            ],
+            loc="upper right",
+            fontsize="small",
+        )
+    if axes[1].get_legend_handles_labels()[0]:
+        axes[1].legend(loc="upper right", fontsize="small")
+    run_handles = [Line2D([], [], color=c, label=r.label) for r, c in zip(runs, colors, strict=True)]
+    fig.legend(handles=run_handles, loc="outside upper center", ncols=min(len(runs), 4))
+    axes[-1].set_xlabel("step")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument(
+        "-o", "--output", type=Path, help="PNG path (default: RUN_DIR/plot.png or ./runs.png)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(d) for d in args.run_dirs]
+    except RunError as e:
+        print(f"plot_run: error: {e}", file=sys.stderr)
+        return 2
+    out = args.output or (args.run_dirs[0] / "plot.png" if len(runs) == 1 else Path("runs.png"))
+    plot(runs, out)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+The YAML files under `configs/` are merged onto `TrainConfig`, so a misspelled key or a value of the
+wrong type fails when the config is composed, with Hydra's error naming the key. Defaults and the
+one-line meaning of each key live in the YAML files; the dataclasses only fix names and types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class VisionConfig:
+    image_size: int = 224
+    patch_size: int = 16
+    width: int = 768
+    layers: int = 12
+    heads: int = 12
+    mlp_ratio: float = 4.0
+    patch_dropout: float = 0.0
+
+
+@dataclass
+class TextConfig:
+    context_length: int = 77
+    vocab_size: int = 49408
+    width: int = 512
+    layers: int = 12
+    heads: int = 8
+    mlp_ratio: float = 4.0
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    embed_dim: int = 512
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    ls_init_value: float | None = 0.0
+    quick_gelu: bool = False
+    init_logit_scale: float = math.log(1 / 0.07)
+    max_logit_scale: float = math.log(100)
+    grad_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    shards: str = MISSING
+    eval_shards: str | None = None
+    batch_size: int = 256
+    num_workers: int = 2
+    shuffle_buffer: int = 1000
+    crop_scale_min: float = 0.9
+    generate: bool = False
+    generate_train_samples: int = 0
+    generate_eval_samples: int = 0
+    generate_seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    lr: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    weight_decay: float = 0.2
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.0
+    grad_clip_norm: float | None = None
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+    dtype: str = "bf16"
+
+
+@dataclass
+class EvalConfig:
+    every: int = 500
+    batch_size: int = 256
+    zeroshot: bool = True
+    retrieval: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 0
+    max_steps: int = 1000
+    stop_at_step: int | None = None
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep_last_k: int = 3
+    resume: str | None = None
+    run_dir: str | None = None
+    device: str = "auto"
+    dry_run: bool = False
+    progress: bool = True
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+    wandb: bool = False
+    project: str = "stableclip"
+    entity: str | None = None
+    mode: str = "offline"
+    run_name: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    experiment_name: str = "default"
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,67 @@
+"""One sample: image bytes and a caption in, a uint8 image tensor and caption tokens out."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+
+import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+from PIL import Image
+from torchvision.transforms.v2 import functional as TF
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+
+def image_bytes(sample: dict) -> bytes:
+    for ext in IMAGE_EXTENSIONS:
+        if ext in sample:
+            return sample[ext]
+    raise KeyError(f"sample {sample.get('__key__')!r} has no image (.jpg/.png/.webp)")
+
+
+def random_resized_crop_box(
+    width: int, height: int, rng: random.Random, scale: tuple[float, float], ratio=(3 / 4, 4 / 3)
+) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop parameters, drawn from our own RNG so that a resumed run
+    reproduces the crops of the uninterrupted one (top, left, height, width)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    side = min(width, height)
+    return (height - side) // 2, (width - side) // 2, side, side
+
+
+def decode_image(data: bytes, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
+    """Decode to a (3, size, size) uint8 tensor: a random resized crop in training (rng given), a resize of
+    the short side and a centre crop in evaluation."""
+    with Image.open(io.BytesIO(data)) as img:
+        # draft() lets the JPEG decoder skip work when the source is much larger than the target.
+        img.draft("RGB", (size, size))
+        image = TF.pil_to_tensor(img.convert("RGB"))
+    height, width = image.shape[-2:]
+    if rng is not None:
+        top, left, h, w = random_resized_crop_box(width, height, rng, (scale_min, 1.0))
+        return TF.resized_crop(image, top, left, h, w, [size, size], antialias=True)
+    if (height, width) != (size, size):
+        image = TF.resize(image, size, antialias=True)
+    return TF.center_crop(image, [size, size])
+
+
+class ImageNormalizer:
+    """uint8 images in, normalized floats out, on the training device: the loader ships 4× fewer bytes
+    and the host does no float work."""
+
+    def __init__(self, device: torch.device, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD):
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.float() - self.mean) / self.std

@@ -1,0 +1,57 @@
+"""Shard lists: expand brace patterns, check they exist, and give each reader its deterministic share."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from webdataset.shardlists import expand_urls
+
+
+def is_local(url: str) -> bool:
+    return not url.startswith("pipe:") and "://" not in url
+
+
+def expand_shards(pattern: str, key: str = "data.shards") -> list[str]:
+    """Expand `a/{000..009}.tar` (and `::`-joined lists); local files must all exist."""
+    urls = expand_urls(pattern) if pattern else []
+    missing = [u for u in urls if is_local(u) and not os.path.isfile(u)]
+    if not urls or len(missing) == len(urls):
+        raise FileNotFoundError(f"{key} matched no files: {pattern!r}")
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:3])
+        raise FileNotFoundError(
+            f"{key}={pattern!r}: {len(missing)} of {len(urls)} shards do not exist ({shown}...): "
+            "fix the pattern or the missing files"
+        )
+    return urls
+
+
+def shards_for_reader(
+    shards: list[str], *, seed: int, epoch: int, reader: int, num_readers: int
+) -> list[str]:
+    """This reader's shards for `epoch`. Every rank computes the same permutation from (seed, epoch), so
+    the readers (rank × worker) partition the shard list exactly: each sample once per epoch."""
+    if len(shards) < num_readers:
+        raise ValueError(
+            f"{len(shards)} shards cannot feed {num_readers} readers (world size × data.num_workers): "
+            "every reader needs at least one shard. Write smaller shards or lower data.num_workers."
+        )
+    order = list(shards)
+    random.Random(f"shards-{seed}-{epoch}").shuffle(order)
+    return order[reader::num_readers]
+
+
+def read_sizes(shards: list[str]) -> dict[str, int] | None:
+    """Sample counts from the `sizes.json` beside local shards ({shard file name: count}), if present."""
+    sizes: dict[str, int] = {}
+    for directory in sorted({os.path.dirname(s) for s in shards if is_local(s)}):
+        path = os.path.join(directory, "sizes.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            sizes.update({os.path.join(directory, name): n for name, n in json.load(f).items()})
+    if not all(s in sizes for s in shards):
+        return None
+    return {s: sizes[s] for s in shards}

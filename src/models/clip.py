@@ -1,0 +1,88 @@
+"""CLIP: a ViT image tower, a causal transformer text tower and a learnable temperature.
+
+The text tower's modules sit at the top level (`token_embedding`, `transformer`, `ln_final`, ...) as in
+OpenCLIP's `CLIP`, so both models share one state-dict layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from src.config import ModelConfig
+from src.models.transformer import Transformer
+from src.models.vision import VisionTransformer
+
+
+class CLIP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        vision, text = cfg.vision, cfg.text
+        self.init_logit_scale = cfg.init_logit_scale
+        self.max_logit_scale = cfg.max_logit_scale
+        self.visual = VisionTransformer(
+            vision.image_size, vision.patch_size, vision.width, vision.layers, vision.heads,
+            vision.mlp_ratio, cfg.embed_dim, cfg.ls_init_value, vision.patch_dropout, cfg.quick_gelu,
+        )
+        self.context_length = text.context_length
+        self.token_embedding = nn.Embedding(text.vocab_size, text.width)
+        self.positional_embedding = nn.Parameter(torch.empty(text.context_length, text.width))
+        self.transformer = Transformer(
+            text.width, text.layers, text.heads, text.mlp_ratio, cfg.ls_init_value, cfg.quick_gelu
+        )
+        self.ln_final = nn.LayerNorm(text.width)
+        self.text_projection = nn.Parameter(torch.empty(text.width, cfg.embed_dim))
+        self.logit_scale = nn.Parameter(torch.empty(()))
+        self.set_grad_checkpointing(cfg.grad_checkpointing)
+
+    def init_weights(self) -> None:
+        """Initialise every parameter; called after `to_empty()` when the model was built on `meta`."""
+        self.visual.init_weights()
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        self.transformer.init_weights()
+        self.ln_final.reset_parameters()
+        nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
+        nn.init.constant_(self.logit_scale, self.init_logit_scale)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.visual.transformer.grad_checkpointing = enable
+        self.transformer.grad_checkpointing = enable
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.visual(images)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
+        x = self.ln_final(self.transformer(x, causal=True))
+        # The end-of-text token has the largest id in CLIP's vocabulary, so argmax finds it.
+        pooled = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]
+        features = pooled @ self.text_projection
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor):
+        return self.encode_image(images), self.encode_text(tokens), self.logit_scale.exp()
+
+    @torch.no_grad()
+    def clamp_logit_scale(self) -> None:
+        """Cap the temperature at 100 as CLIP does; in place on the device, so no host sync."""
+        self.logit_scale.clamp_(0, self.max_logit_scale)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
+    """Build on the meta device first so a large model never materialises twice, then initialise."""
+    with torch.device("meta"):
+        model = CLIP(cfg)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def count_parameters(model: CLIP) -> dict[str, int]:
+    """Parameter counts per tower; works on meta-device models."""
+    visual = sum(p.numel() for p in model.visual.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return {"visual": visual, "text": total - visual - model.logit_scale.numel(), "total": total}

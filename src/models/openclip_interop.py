@@ -1,0 +1,42 @@
+"""Move weights between stableclip and OpenCLIP: same parameter names, same shapes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from src.models.clip import CLIP
+
+
+def load_openclip_state_dict(model: CLIP, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load an OpenCLIP `CLIP.state_dict()` strictly. Layer-scale gammas absent from an OpenCLIP model
+    built without layer-scale are set to 1, which makes our blocks compute exactly what theirs do."""
+    state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    missing_gammas = {
+        name for name, _ in model.named_parameters() if name.endswith(".gamma") and name not in state_dict
+    }
+    own = model.state_dict()
+    for name in missing_gammas:
+        state_dict[name] = torch.ones_like(own[name], device="cpu")
+    state_dict.pop("attn_mask", None)
+    if "logit_bias" in state_dict:
+        raise ValueError("this checkpoint is a SigLIP model (it has logit_bias); stableclip trains CLIP only")
+    mismatched = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+        for k, v in state_dict.items() if k in own and v.shape != own[k].shape
+    ]
+    if mismatched:
+        raise ValueError(
+            "OpenCLIP checkpoint does not match model config (pick the model= preset of the same "
+            "architecture):\n  " + "\n  ".join(mismatched[:10])
+        )
+    model.load_state_dict(state_dict, strict=True)
+
+
+def load_openclip_checkpoint(model: CLIP, path: str | os.PathLike) -> None:
+    """Load an OpenCLIP checkpoint file (a bare state dict or {'state_dict': ...}) into `model`."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
+        checkpoint = checkpoint["state_dict"]
+    load_openclip_state_dict(model, checkpoint)

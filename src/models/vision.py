@@ -1,0 +1,68 @@
+"""The ViT image tower: patchify, class token, transformer, class-token pooling, projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from src.models.transformer import Transformer
+
+
+class PatchDropout(nn.Module):
+    """Drops a random subset of patch tokens in training (Li et al. 2023, FLIP); the class token stays."""
+
+    def __init__(self, prob: float):
+        super().__init__()
+        if not 0.0 <= prob < 1.0:
+            raise ValueError(f"model.vision.patch_dropout={prob} must be in [0, 1)")
+        self.prob = prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.prob == 0.0:
+            return x
+        cls_token, patches = x[:, :1], x[:, 1:]
+        keep = max(1, int(patches.shape[1] * (1 - self.prob)))
+        index = torch.rand(patches.shape[:2], device=x.device).topk(keep, dim=1).indices
+        patches = patches.gather(1, index.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))
+        return torch.cat([cls_token, patches], dim=1)
+
+
+class VisionTransformer(nn.Module):
+    def __init__(
+        self, image_size: int, patch_size: int, width: int, layers: int, heads: int, mlp_ratio: float,
+        output_dim: int, ls_init_value: float | None, patch_dropout: float = 0.0, quick_gelu: bool = False,
+    ):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(
+                f"model.vision.image_size={image_size} is not a multiple of patch_size={patch_size}"
+            )
+        self.image_size = image_size
+        self.width = width
+        grid = image_size // patch_size
+        self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
+        self.class_embedding = nn.Parameter(torch.empty(width))
+        self.positional_embedding = nn.Parameter(torch.empty(grid * grid + 1, width))
+        self.patch_dropout = PatchDropout(patch_dropout)
+        self.ln_pre = nn.LayerNorm(width)
+        self.transformer = Transformer(width, layers, heads, mlp_ratio, ls_init_value, quick_gelu)
+        self.ln_post = nn.LayerNorm(width)
+        self.proj = nn.Parameter(torch.empty(width, output_dim))
+
+    def init_weights(self) -> None:
+        scale = self.width ** -0.5
+        self.conv1.reset_parameters()
+        nn.init.normal_(self.class_embedding, std=scale)
+        nn.init.normal_(self.positional_embedding, std=scale)
+        self.ln_pre.reset_parameters()
+        self.transformer.init_weights()
+        self.ln_post.reset_parameters()
+        nn.init.normal_(self.proj, std=scale)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(images).flatten(2).transpose(1, 2)
+        cls_token = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls_token, x], dim=1) + self.positional_embedding.to(x.dtype)
+        x = self.ln_pre(self.patch_dropout(x))
+        x = self.ln_post(self.transformer(x))
+        return x[:, 0] @ self.proj

@@ -1,0 +1,274 @@
+"""StableAdamW: AdamW with AdaFactor-style update clipping, per tensor.
+
+Wortsman et al. 2023, "Stable and low-precision training for large-scale vision-language models"
+(arXiv 2304.13013). Per tensor, with t its own step count starting at 1 (the authors' reference,
+bias correction folded into beta):
+
+    β̂ = β(1 − β^(t−1)) / (1 − β^t)                      for β1 and β2
+    v ← β̂1·v + (1 − β̂1)·g
+    u ← β̂2·u + (1 − β̂2)·g²
+    RMS = sqrt(mean(g² / max(u, ε²)))                     (the updated u)
+    η = lr / max(1, RMS / clip_threshold)
+    θ ← θ·(1 − η·λ) − η·v / (sqrt(u) + ε)
+
+`step()` also takes the fixed fp16 loss scale (`grad_scale`), can skip tensors whose gradient is
+non-finite (`skip_nonfinite`, §3.6 of the paper) and can skip the whole step (`found_inf`), all
+without a host sync: skips are device-side 0/1 masks and step counts are device tensors.
+"""
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+class StableAdamW(Optimizer):
+    """StableAdamW (see the module docstring for the update).
+
+    After every `step()` these tensors are set for logging; reading them is the only sync:
+      last_rms      1-D float32, the RMS of each parameter that had a gradient, in param_groups order
+                    and then parameter order (a group that mixes devices or dtypes under foreach is
+                    listed bucket by bucket). Params whose `grad is None` are left out and a skipped
+                    tensor reports 0. `rms_by_param()` pairs the entries with their parameters.
+      last_skipped  0-dim int64, how many tensors skipped their update (all of them under found_inf).
+      last_clipped  0-dim int64, how many tensors had RMS > clip_threshold, i.e. a clipped step size.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 2e-3,
+        betas: tuple[float, float] = (0.9, 0.99),
+        eps: float = 1e-6,
+        weight_decay: float = 0.2,
+        clip_threshold: float = 1.0,
+        foreach: bool | None = None,
+    ) -> None:
+        # None means "pick for me"; the multi-tensor path is right for every device we run on.
+        foreach = True if foreach is None else foreach
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            clip_threshold=clip_threshold,
+            foreach=foreach,
+        )
+        super().__init__(params, defaults)
+        self.last_rms: Tensor | None = None
+        self.last_skipped: Tensor | None = None
+        self.last_clipped: Tensor | None = None
+        self._rms_params: list[Tensor] = []
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _check_hyperparameters({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # Optimizer only moves "step" onto the param's device for fused/capturable optimizers, but our
+        # step counts take part in device-side math, so they must live next to their parameter.
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def rms_by_param(self) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, 0-dim RMS tensor) for every entry of `last_rms`, without a sync."""
+        if self.last_rms is None:
+            return []
+        return list(zip(self._rms_params, self.last_rms.unbind(), strict=True))
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: float | Tensor | None = None,
+        skip_nonfinite: bool = False,
+        found_inf: Tensor | None = None,
+    ) -> Any:
+        """One update of every parameter that has a gradient.
+
+        grad_scale: gradients are divided by it (the fixed fp16 loss scale); `p.grad` is left untouched.
+        skip_nonfinite: a tensor whose gradient has an Inf/NaN keeps its parameter, moments and step count;
+            the others step normally.
+        found_inf: 0-dim tensor on the params' device; if nonzero nothing changes at all.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        step_ok = None if found_inf is None else found_inf == 0
+        kwargs = dict(grad_scale=grad_scale, skip_nonfinite=skip_nonfinite, step_ok=step_ok)
+        rms, clipped, skipped, rms_params = [], [], [], []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                self._init_state(p)
+            if group["foreach"]:
+                chunks = _by_device_and_dtype(params)
+                results = [
+                    _multi_tensor_update(c, [self.state[p] for p in c], group, **kwargs) for c in chunks
+                ]
+            else:
+                chunks = [[p] for p in params]
+                results = [_single_tensor_update(p, self.state[p], group, **kwargs) for p in params]
+            for chunk, (chunk_rms, keep) in zip(chunks, results, strict=True):
+                rms.append(chunk_rms.view(-1))
+                clipped.append((chunk_rms > group["clip_threshold"]).sum())
+                if keep is not None:
+                    skipped.append((~keep).sum())
+                rms_params += chunk
+
+        device = self.param_groups[0]["params"][0].device
+        self._rms_params = rms_params
+        self.last_rms = torch.cat([r.to(device) for r in rms]) if rms else torch.zeros(0, device=device)
+        self.last_clipped = _total(clipped, device)
+        self.last_skipped = _total(skipped, device)
+        return loss
+
+    def _init_state(self, p: Tensor) -> None:
+        if p.grad.is_sparse:
+            raise RuntimeError("StableAdamW does not support sparse gradients")
+        state = self.state[p]
+        if not state:
+            # A device tensor, not an int: a skipped tensor's count must stay put without the host knowing.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _single_tensor_update(
+    p: Tensor,
+    state: dict[str, Tensor],
+    group: dict[str, Any],
+    *,
+    grad_scale: float | Tensor | None,
+    skip_nonfinite: bool,
+    step_ok: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """Update one tensor; returns its RMS (0-dim float32) and whether it updated (0-dim bool, or None)."""
+    v, u, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    g = p.grad if grad_scale is None else p.grad / grad_scale
+
+    keep = step_ok
+    if skip_nonfinite:
+        finite = g.isfinite().all()
+        keep = finite if keep is None else keep & finite
+    if keep is not None:
+        # A zero update weight alone would not do: 0·Inf is NaN. A zeroed gradient also gives RMS 0.
+        g = torch.where(keep, g, 0)
+
+    g2 = g * g
+    w1, w2 = _gradient_weights(step + 1, group["betas"], keep)
+    v.lerp_(g, w1.to(p.dtype))
+    u.lerp_(g2, w2.to(p.dtype))
+    rms = (g2 / u.clamp_min(eps**2)).mean().sqrt().float()
+
+    eta = lr / (rms / group["clip_threshold"]).clamp_min(1)
+    if keep is not None:
+        eta = eta * keep
+    p.mul_(1 - eta * wd)
+    p.sub_(eta * v / (u.sqrt() + eps))
+    step.add_(1 if keep is None else keep)
+    return rms, keep
+
+
+def _multi_tensor_update(
+    params: list[Tensor],
+    states: list[dict[str, Tensor]],
+    group: dict[str, Any],
+    *,
+    grad_scale: float | Tensor | None,
+    skip_nonfinite: bool,
+    step_ok: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The same update for tensors of one device and dtype, with `_foreach_*` ops.
+
+    Per-tensor scalars (bias corrections, RMS, step sizes, masks) are 1-D device tensors, unbound into
+    0-dim views where a foreach op needs one per tensor. Returns the RMS vector and the keep mask (or None).
+    """
+    exp_avgs = [s["exp_avg"] for s in states]
+    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    steps = [s["step"] for s in states]
+    lr, eps, wd, dtype = group["lr"], group["eps"], group["weight_decay"], params[0].dtype
+    grads = [p.grad for p in params]
+    if grad_scale is not None:
+        grads = torch._foreach_div(grads, grad_scale)
+
+    keep = None
+    if skip_nonfinite:
+        # The max-norm is finite exactly when every element is; a 2-norm could overflow.
+        keep = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
+    if step_ok is not None:
+        keep = step_ok.expand(len(params)) if keep is None else keep & step_ok
+    if keep is not None:
+        grads = [torch.where(k, g, 0) for k, g in zip(keep.unbind(), grads, strict=True)]
+
+    w1, w2 = _gradient_weights(torch.stack(steps) + 1, group["betas"], keep)
+    torch._foreach_lerp_(exp_avgs, grads, w1.to(dtype).unbind())
+    torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), w2.to(dtype).unbind())
+
+    # mean(g² / max(u, ε²)) = ‖g / max(√u, ε)‖² / n, and √u is needed for the update anyway.
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    norms = torch._foreach_norm(torch._foreach_div(grads, torch._foreach_clamp_min(denom, eps)))
+    # Divide rather than multiply by n^(-1/2): then RMS is exactly 1 when every g²/u is 1 (as on step 1).
+    torch._foreach_div_(norms, [math.sqrt(p.numel()) for p in params])
+    rms = torch.stack(norms).float()
+
+    eta = lr / (rms / group["clip_threshold"]).clamp_min(1)
+    if keep is not None:
+        eta = eta * keep
+    if wd != 0:
+        torch._foreach_mul_(params, (1 - eta * wd).to(dtype).unbind())
+    # θ −= η·v/(√u + ε) as one addcdiv, by folding −η into the denominator. A skipped tensor has η = 0:
+    # its denominator becomes −inf and v/−inf adds a zero.
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(denom, (-eta).to(dtype).unbind())
+    torch._foreach_addcdiv_(params, exp_avgs, denom)
+    torch._foreach_add_(steps, 1 if keep is None else keep.float().unbind())
+    return rms, keep
+
+
+def _gradient_weights(t: Tensor, betas: tuple[float, float], keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    """1 − β̂ for both moments at step t, β̂ = β(1 − β^(t−1))/(1 − β^t); 0 where a tensor is skipped."""
+    # float64 because 1 − β^t cancels badly at small t: in float32, 1 − 0.99² is off by ~1e-6 relative.
+    t = t.double()
+    w1, w2 = (1 - beta * (1 - beta ** (t - 1)) / (1 - beta**t) for beta in betas)
+    return (w1, w2) if keep is None else (w1 * keep, w2 * keep)
+
+
+def _by_device_and_dtype(params: list[Tensor]) -> list[list[Tensor]]:
+    """Foreach ops need one device and dtype per call; order is kept within each bucket."""
+    buckets = defaultdict(list)
+    for p in params:
+        buckets[(p.device, p.dtype)].append(p)
+    return list(buckets.values())
+
+
+def _total(counts: list[Tensor], device: torch.device) -> Tensor:
+    if not counts:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return torch.stack([c.to(device) for c in counts]).sum()
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    beta1, beta2 = group["betas"]
+    checks = {
+        "lr": (group["lr"], group["lr"] >= 0),
+        "beta1": (beta1, 0 <= beta1 < 1),
+        "beta2": (beta2, 0 <= beta2 < 1),
+        # ε > 0 keeps g²/max(u, ε²) finite when a gradient and its second moment are both zero.
+        "eps": (group["eps"], group["eps"] > 0),
+        "weight_decay": (group["weight_decay"], group["weight_decay"] >= 0),
+        "clip_threshold": (group["clip_threshold"], group["clip_threshold"] > 0),
+    }
+    for name, (value, ok) in checks.items():
+        if not ok:
+            raise ValueError(f"StableAdamW: invalid {name}: {value!r}")

@@ -1,0 +1,3 @@
+from src.trainer.run import hydra_overrides_for_rank, run
+
+__all__ = ["hydra_overrides_for_rank", "run"]

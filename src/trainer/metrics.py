@@ -1,0 +1,98 @@
+"""One metrics logger with several sinks: JSONL (always), W&B (optional), a progress bar; rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+from tqdm import tqdm
+
+from src.config import LoggerConfig
+
+log = logging.getLogger(__name__)
+
+
+def truncate_jsonl(path: str, after_step: int) -> None:
+    """Drop lines logged after `after_step`: a resumed run logs those steps again, exactly once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line).get("step", -1) <= after_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+
+
+def jsonable(value):
+    """JSON has no NaN or Infinity; keep them readable as strings rather than writing invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricLogger:
+    def __init__(
+        self, run_dir: str, cfg: LoggerConfig, *, enabled: bool, config: dict, start_step: int,
+        max_steps: int, progress: bool,
+    ):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.wandb_run = None
+        self.bar = None
+        if not enabled:
+            return
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        truncate_jsonl(self.metrics_path, start_step - 1)
+        self.metrics_file = open(self.metrics_path, "a")
+        if cfg.wandb:
+            self.wandb_run = self._init_wandb(cfg, config)
+        if progress:
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _init_wandb(self, cfg: LoggerConfig, config: dict):
+        import wandb  # heavy, and absent on some machines: imported only when asked for
+
+        id_path = os.path.join(self.run_dir, "wandb_run_id")
+        run_id = open(id_path).read().strip() if os.path.exists(id_path) else wandb.util.generate_id()
+        with open(id_path, "w") as f:
+            f.write(run_id)
+        run = wandb.init(
+            project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=cfg.mode, dir=self.run_dir,
+            config=config, id=run_id, resume="allow",
+        )
+        run.define_metric("train/step")
+        run.define_metric("*", step_metric="train/step")
+        return run
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({"train/step": step, **metrics})
+
+    def flush(self, step: int, summary: dict) -> None:
+        """Called every `log_every` steps: persist lines and refresh the progress bar."""
+        if not self.enabled:
+            return
+        self.metrics_file.flush()
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in summary.items()}, refresh=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            log.info(text)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.metrics_file.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

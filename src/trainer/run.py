@@ -1,0 +1,72 @@
+"""Entry point behind `train.py`: settle the run directory, then hand over to the Trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+from src.config import ModelConfig, TrainConfig
+from src.data.synthetic_shapes import make_synthetic_shapes
+from src.models.clip import build_model, count_parameters
+from src.trainer.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
+from src.trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def hydra_overrides_for_rank() -> list[str]:
+    """Every torchrun rank runs Hydra; only rank 0 may write its outputs and logs. The others use the
+    current directory as Hydra's output dir (nothing is created) and get rank 0's run directory later."""
+    if env_rank() == 0:
+        return []
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled"]
+
+
+def dry_run(cfg: ModelConfig) -> None:
+    counts = count_parameters(build_model(cfg, "meta"))
+    print(f"model={cfg.name}: " + ", ".join(f"{k} {v / 1e6:.2f}M parameters" for k, v in counts.items()))
+
+
+def resolve(dict_cfg: DictConfig) -> TrainConfig:
+    try:
+        return OmegaConf.to_object(dict_cfg)
+    except MissingMandatoryValue as err:
+        raise SystemExit(
+            f"config key {err.full_key} has no value: set it on the command line ({err.full_key}=...)"
+            + (" or pick data=synthetic_shapes" if err.full_key == "data.shards" else "")
+        ) from None
+
+
+def ensure_synthetic_data(cfg: TrainConfig, is_main: bool) -> None:
+    if not cfg.data.generate:
+        return
+    if is_main and not os.path.isfile(os.path.join(os.path.dirname(cfg.data.eval_shards), "classes.json")):
+        make_synthetic_shapes(
+            cfg.data.shards, cfg.data.eval_shards, cfg.data.generate_train_samples,
+            cfg.data.generate_eval_samples, size=cfg.model.vision.image_size, seed=cfg.data.generate_seed,
+        )
+    barrier()
+
+
+def run(dict_cfg: DictConfig) -> None:
+    if dict_cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group
+        dry_run(OmegaConf.to_object(dict_cfg.model))
+        return
+    cfg = resolve(dict_cfg)
+    dist_info = init_distributed(cfg.trainer.device)
+    try:
+        run_dir = HydraConfig.get().runtime.output_dir if dist_info.is_main else None
+        cfg.trainer.run_dir = run_dir = broadcast_object(run_dir)
+        if dist_info.is_main:
+            os.makedirs(run_dir, exist_ok=True)
+            OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
+            log.info("run directory: %s (command: %s)", run_dir, " ".join(sys.argv))
+        ensure_synthetic_data(cfg, dist_info.is_main)
+        Trainer(cfg, run_dir, dist_info).fit()
+    finally:
+        destroy()

@@ -1,0 +1,214 @@
+"""The Trainer: composes model, data, optimizer, schedule, precision, logging and checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from src.config import TrainConfig
+from src.data.image_text import ImageNormalizer
+from src.data.loader import TrainLoader
+from src.models.clip import build_model
+from src.optim import build_optimizer, build_scheduler, optimizer_step
+from src.trainer import checkpoint
+from src.trainer.distributed import DistInfo, all_reduce_mean, barrier
+from src.trainer.evaluate import evaluate
+from src.trainer.loss import clip_loss
+from src.trainer.metrics import MetricLogger
+
+log = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                  for k, v in np.random.get_state(legacy=False).items()},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state({k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in state["numpy"].items()})
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: str, dist_info: DistInfo):
+        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist_info
+        self.device = dist_info.device
+        if cfg.precision.dtype not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"precision.dtype={cfg.precision.dtype!r} is not supported: choose one of "
+                + ", ".join(AUTOCAST_DTYPES)
+            )
+        self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
+        # Same seed on every rank for identical initial weights; per-rank streams afterwards.
+        torch.manual_seed(cfg.trainer.seed)
+        self.model = build_model(cfg.model, self.device)
+        torch.manual_seed(cfg.trainer.seed + dist_info.rank)
+        random.seed(cfg.trainer.seed + dist_info.rank)
+        np.random.seed(cfg.trainer.seed + dist_info.rank)
+        self.forward_model = self.model
+        if dist_info.world_size > 1:
+            self.forward_model = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        self.optimizer = build_optimizer(cfg.optim, self.model)
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
+        )
+        self.loader = TrainLoader(
+            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+            seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.normalize = ImageNormalizer(self.device)
+        self.step = 0
+        self.checkpoints = os.path.join(run_dir, "checkpoints")
+        if cfg.trainer.resume:
+            self.resume(cfg.trainer.resume)
+        self.metrics = MetricLogger(
+            run_dir, cfg.logger, enabled=dist_info.is_main, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            start_step=self.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
+        )
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, images: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Forward, backward, update. Returns device tensors only: nothing here waits for the device."""
+        images = self.normalize(images.to(self.device, non_blocking=True))
+        tokens = tokens.to(self.device, non_blocking=True)
+        with self.autocast():
+            image_features, text_features, logit_scale = self.forward_model(images, tokens)
+            loss = clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.optim.grad_clip_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip_norm, foreach=True)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # Gradients are already averaged across ranks, so every rank agrees on skipping a bad step.
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        optimizer_step(self.optimizer, found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.model.clamp_logit_scale()
+        return {"loss": loss.detach(), "grad_norm": grad_norm, "skipped": found_inf,
+                "logit_scale": self.model.logit_scale.detach().exp()}
+
+    def fit(self) -> None:
+        cfg = self.cfg.trainer
+        end = cfg.max_steps if cfg.stop_at_step is None else min(cfg.stop_at_step, cfg.max_steps)
+        pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < end:
+            batch = next(self.loader)
+            lr = self.scheduler.get_last_lr()[0]
+            pending.append((self.step, lr, self.train_step(batch["images"], batch["tokens"])))
+            self.step += 1
+            window_steps += 1
+            if self.step % cfg.log_every == 0 or self.step == end:
+                elapsed = time.perf_counter() - window_start
+                self.flush_metrics(pending, self.cfg.data.batch_size * window_steps / elapsed)
+                pending, window_start, window_steps = [], time.perf_counter(), 0
+            evaluate_now = cfg.eval.every > 0 and self.step % cfg.eval.every == 0
+            if self.cfg.data.eval_shards and (evaluate_now or self.step == cfg.max_steps):
+                self.run_eval()
+            if (cfg.ckpt_every > 0 and self.step % cfg.ckpt_every == 0) or self.step == end:
+                self.save()
+        self.metrics.close()
+
+    def flush_metrics(self, pending: list, samples_per_s: float) -> None:
+        """The one host sync of a logging window: all of its per-step values come over at once."""
+        names = list(pending[0][2])
+        values = torch.stack([torch.stack([v[n].float() for n in names]) for _, _, v in pending])
+        values[:, names.index("loss")] = all_reduce_mean(values[:, names.index("loss")])
+        rows = values.tolist()
+        for (step, lr, _), row in zip(pending, rows):
+            by_name = dict(zip(names, row))
+            self.metrics.log(step, {
+                "train/loss": by_name["loss"], "train/lr": lr, "train/samples_per_s": samples_per_s,
+                "train/grad_norm": by_name["grad_norm"], "train/logit_scale": by_name["logit_scale"],
+                "train/skipped_step": int(by_name["skipped"]), "train/epoch": self.loader.epoch,
+            })
+        last = dict(zip(names, rows[-1]))
+        self.metrics.flush(self.step, {"loss": last["loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
+
+    def run_eval(self) -> None:
+        """On rank 0 only, on the unwrapped model; the other ranks wait."""
+        if self.dist.is_main:
+            cfg = self.cfg
+            results = evaluate(
+                self.model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
+                image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+                num_workers=cfg.data.num_workers, device=self.device, prepare_images=self.normalize,
+                autocast=self.autocast, zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
+            )
+            self.metrics.log(self.step, results)
+            self.metrics.flush(self.step, {})
+            self.metrics.message(
+                f"step {self.step} eval: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in results.items())
+            )
+        barrier()
+
+    def save(self) -> None:
+        shared = {
+            "model": self.model.state_dict(),
+            "train_state": {
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "world_size": self.dist.world_size,
+            },
+        }
+        per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
+        path = checkpoint.save_checkpoint(
+            self.checkpoints, self.step, rank=self.dist.rank, shared=shared, per_rank=per_rank,
+            keep_last_k=self.cfg.trainer.keep_last_k,
+        )
+        self.metrics.message(f"saved checkpoint {path}")
+
+    def resume(self, resume: str) -> None:
+        path = checkpoint.latest_checkpoint(self.checkpoints) if resume == "latest" else resume
+        if path is None:
+            log.info("trainer.resume=latest: no checkpoint in %s yet, starting from step 0", self.checkpoints)
+            return
+        if not os.path.isfile(os.path.join(path, "model.pt")):
+            raise FileNotFoundError(
+                f"trainer.resume={resume!r}: {path!r} is not a checkpoint directory (it has no model.pt); "
+                "pass trainer.resume=latest or a checkpoints/step_N directory"
+            )
+        rank_file = os.path.join(path, f"rank_{self.dist.rank}.pt")
+        if not os.path.isfile(rank_file):
+            raise FileNotFoundError(
+                f"{path!r} has no state for rank {self.dist.rank}: it was saved with fewer ranks; resume "
+                "with the world size it was saved with"
+            )
+        self.model.load_state_dict(checkpoint.load_file(path, "model"))
+        state = checkpoint.load_file(path, "train_state")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        mine = checkpoint.load_file(path, f"rank_{self.dist.rank}")
+        self.loader.load_state_dict(mine["data"])
+        set_rng_state(mine["rng"])
+        log.info("resumed from %s at step %d", path, self.step)
+

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.config import TrainConfig, register_configs
+from src.data.synthetic_shapes import make_synthetic_shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+register_configs()
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory) -> dict[str, str]:
+    """Small synthetic-shapes shards, shared by the whole session: 8 train shards, 2 eval shards."""
+    root = tmp_path_factory.mktemp("shapes")
+    train = str(root / "train" / "train-{000000..000007}.tar")
+    held_out = str(root / "eval" / "eval-{000000..000001}.tar")
+    make_synthetic_shapes(train, held_out, train_samples=800, eval_samples=100)
+    return {"shards": train, "eval_shards": held_out}
+
+
+def data_overrides(shapes: dict[str, str]) -> list[str]:
+    return [f"data.shards={shapes['shards']}", f"data.eval_shards={shapes['eval_shards']}", "data.generate=false"]
+
+
+def run_train(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+    command = (launcher if torchrun else [sys.executable]) + [os.path.join(ROOT, "train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result

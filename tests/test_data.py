@@ -1,0 +1,124 @@
+import io
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+
+from src.config import DataConfig
+from src.data.loader import TrainLoader, eval_batches
+from src.data.shards import expand_shards, read_sizes, shards_for_reader
+
+
+def data_config(shards: str, batch_size: int, num_workers: int, shuffle_buffer: int = 50) -> DataConfig:
+    return DataConfig(name="test", shards=shards, batch_size=batch_size, num_workers=num_workers,
+                      shuffle_buffer=shuffle_buffer)
+
+
+def loader(shapes, batch_size=100, num_workers=2, rank=0, world_size=2, seed=0) -> TrainLoader:
+    cfg = data_config(shapes["shards"], batch_size, num_workers)
+    return TrainLoader(cfg, image_size=32, context_length=16, seed=seed, rank=rank, world_size=world_size)
+
+
+def test_every_sample_once_per_epoch_across_ranks_and_workers(shapes):
+    # 800 samples in 8 shards; 2 ranks x 2 workers = 4 readers of 200 samples; 50 per rank-batch.
+    per_epoch = []
+    ranks = [iter(loader(shapes, rank=r)) for r in range(2)]
+    for _ in range(2):
+        keys = [k for it in ranks for _ in range(8) for k in next(it)["keys"]]
+        assert len(keys) == 800 and len(set(keys)) == 800
+        per_epoch.append(keys)
+    assert set(per_epoch[0]) == set(per_epoch[1]) and per_epoch[0] != per_epoch[1]
+
+
+def test_shard_order_is_deterministic_and_changes_with_epoch():
+    shards = [f"s{i}" for i in range(12)]
+    a = [shards_for_reader(shards, seed=1, epoch=0, reader=r, num_readers=3) for r in range(3)]
+    b = [shards_for_reader(shards, seed=1, epoch=0, reader=r, num_readers=3) for r in range(3)]
+    c = [shards_for_reader(shards, seed=1, epoch=1, reader=r, num_readers=3) for r in range(3)]
+    assert a == b and a != c and sorted(sum(a, [])) == sorted(shards)
+
+
+def test_batches_are_uint8_images_and_tokens(shapes):
+    batch = next(iter(loader(shapes, world_size=1, num_workers=0, batch_size=16)))
+    assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (16, 3, 32, 32)
+    assert batch["tokens"].shape == (16, 16) and batch["tokens"].dtype == torch.long
+
+
+@pytest.mark.parametrize("consumed", [3, 8, 13])
+def test_resume_continues_exactly(shapes, consumed):
+    """Odd counts rotate the worker roles; 13 batches cross an epoch boundary (8 per epoch)."""
+    reference = loader(shapes)
+    expected = [next(reference) for _ in range(consumed + 4)][consumed:]
+    first = loader(shapes)
+    for _ in range(consumed):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # only plain types in the state
+    resumed = loader(shapes)
+    resumed.load_state_dict(state)
+    for want in expected:
+        got = next(resumed)
+        assert got["keys"] == want["keys"]
+        assert torch.equal(got["images"], want["images"]) and torch.equal(got["tokens"], want["tokens"])
+
+
+def test_resume_with_other_worker_count_is_refused(shapes):
+    first = loader(shapes)
+    next(first)
+    other = loader(shapes, num_workers=1)
+    with pytest.raises(ValueError, match="data.num_workers"):
+        other.load_state_dict(first.state_dict())
+
+
+def test_pattern_matching_nothing_fails_clearly(tmp_path):
+    pattern = str(tmp_path / "x-{000..009}.tar")
+    with pytest.raises(FileNotFoundError, match=r"data.shards matched no files: '.*x-\{000\.\.009\}\.tar'"):
+        expand_shards(pattern)
+    with pytest.raises(FileNotFoundError, match="matched no files"):
+        TrainLoader(data_config(pattern, 8, 0), image_size=32, context_length=16, seed=0)
+
+
+def test_partly_missing_shards_fail_clearly(shapes):
+    pattern = shapes["shards"].replace("000007}", "000009}")
+    with pytest.raises(FileNotFoundError, match="2 of 10 shards do not exist"):
+        expand_shards(pattern)
+
+
+def test_too_few_shards_for_readers_fails_clearly(shapes):
+    with pytest.raises(ValueError, match="8 shards cannot feed 10 readers"):
+        loader(shapes, num_workers=5)
+
+
+def test_batch_not_divisible_by_world_size_fails_clearly(shapes):
+    with pytest.raises(ValueError, match="data.batch_size=101 is not divisible by the world size 2"):
+        loader(shapes, batch_size=101)
+
+
+def test_sizes_json_is_read(shapes):
+    sizes = read_sizes(expand_shards(shapes["shards"]))
+    assert sizes is not None and sum(sizes.values()) == 800
+
+
+def test_corrupt_image_is_skipped(tmp_path, shapes):
+    good = expand_shards(shapes["shards"])[0]
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(good) as src, tarfile.open(bad, "w") as dst:
+        for i, member in enumerate(src.getmembers()):
+            data = src.extractfile(member).read()
+            if i == 0:  # the first sample's image: truncated JPEG
+                data = data[:20]
+            member.size = len(data)
+            dst.addfile(member, io.BytesIO(data))
+    cfg = data_config(str(bad), 33, 0, shuffle_buffer=1)
+    batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    batch = next(batches)
+    assert len(batch["keys"]) == 33 and batches.state_dict()["bad_samples"] == [1]
+
+
+def test_eval_batches_carry_labels(shapes):
+    batches = list(eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16,
+                                num_workers=2))
+    labels = torch.cat([b["labels"] for b in batches])
+    assert len(labels) == 100 and labels.min() >= 0
+    assert os.path.isfile(os.path.join(os.path.dirname(expand_shards(shapes["eval_shards"])[0]), "classes.json"))

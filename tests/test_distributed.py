@@ -1,0 +1,71 @@
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from src.models import build_model
+from src.trainer.distributed import all_reduce_mean
+from src.trainer.loss import clip_loss
+from tests.conftest import data_overrides, run_train
+from tests.test_model import tiny_config
+
+BATCH = 8
+
+
+def batch_and_model():
+    torch.manual_seed(0)
+    model = build_model(tiny_config(ls_init_value=0.5))
+    images = torch.randn(BATCH, 3, 32, 32)
+    tokens = torch.randint(1, 1000, (BATCH, 16))
+    return model, images, tokens
+
+
+def loss_and_grads(model, images, tokens):
+    loss = clip_loss(*model(images, tokens))
+    loss.backward()
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, images, tokens = batch_and_model()
+    local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    loss, grads = loss_and_grads(DistributedDataParallel(model), images[local], tokens[local])
+    if rank == 0:
+        torch.save({"loss": all_reduce_mean(loss), "grads": grads}, out)
+    else:
+        all_reduce_mean(loss)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_with_half_batch_match_one_rank(tmp_path):
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(worker, args=(2, 29517, out), nprocs=2)
+    distributed = torch.load(out, weights_only=True)
+    expected_loss, expected_grads = loss_and_grads(*batch_and_model())
+    torch.testing.assert_close(distributed["loss"], expected_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(distributed["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_torchrun_two_ranks_share_one_run_directory(shapes, tmp_path):
+    outputs = tmp_path / "outputs"
+    run_train([
+        "experiment=quickstart", *data_overrides(shapes), "trainer.max_steps=20", "trainer.progress=false",
+        "data.batch_size=32", "data.num_workers=1", "trainer.log_every=5", "trainer.eval.every=0",
+        f"trainer.run_dir={outputs}/{{now:%H-%M-%S-%f}}".replace("{now", "${now"),
+    ], torchrun=2)
+    runs = os.listdir(outputs)
+    assert len(runs) == 1, runs  # rank 1's own timestamp must not create a second directory
+    run_dir = outputs / runs[0]
+    with open(run_dir / "metrics.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f if "train/loss" in line]
+    assert steps == list(range(20))
+    assert sorted(os.listdir(run_dir / "checkpoints/step_00000020")) == [
+        "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
+    assert not (run_dir.parent.parent / ".hydra").exists()

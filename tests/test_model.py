@@ -1,0 +1,153 @@
+import math
+
+import open_clip
+import pytest
+import torch
+from open_clip.model import CLIP as OpenCLIP
+from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+
+from src.config import ModelConfig, TextConfig, VisionConfig
+from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
+from src.models.transformer import Block, LayerScale
+from src.optim.param_groups import param_groups_for_weight_decay
+from tests.conftest import compose_config
+
+
+def tiny_config(ls_init_value=0.0) -> ModelConfig:
+    return ModelConfig(
+        name="tiny", embed_dim=32, ls_init_value=ls_init_value,
+        vision=VisionConfig(image_size=32, patch_size=8, width=48, layers=2, heads=3),
+        text=TextConfig(context_length=16, width=32, layers=2, heads=2),
+    )
+
+
+def tiny_openclip(ls_init_value=None) -> OpenCLIP:
+    return OpenCLIP(
+        32,
+        CLIPVisionCfg(image_size=32, patch_size=8, width=48, layers=2, head_width=16, ls_init_value=ls_init_value),
+        CLIPTextCfg(context_length=16, width=32, heads=2, layers=2, ls_init_value=ls_init_value),
+    ).eval()
+
+
+def test_layer_scale_starts_at_zero_and_blocks_are_identity():
+    torch.manual_seed(0)
+    model = build_model(tiny_config())
+    gammas = [m.gamma for m in model.modules() if isinstance(m, LayerScale)]
+    assert len(gammas) == 2 * (2 + 2) and all(torch.equal(g, torch.zeros_like(g)) for g in gammas)
+    x = torch.randn(3, 17, 48)
+    for block in model.visual.transformer.resblocks:
+        assert torch.equal(block(x), x)
+    x = torch.randn(3, 16, 32)
+    for block in model.transformer.resblocks:
+        assert torch.equal(block(x, causal=True), x)
+
+
+def test_layer_scale_init_value_is_configurable_and_can_be_off():
+    model = build_model(tiny_config(ls_init_value=0.1))
+    assert all(torch.allclose(m.gamma, torch.full_like(m.gamma, 0.1))
+               for m in model.modules() if isinstance(m, LayerScale))
+    model = build_model(tiny_config(ls_init_value=None))
+    assert not any(isinstance(m, LayerScale) for m in model.modules())
+
+
+def test_gamma_and_embeddings_get_no_weight_decay():
+    model = build_model(tiny_config())
+    decayed, plain = param_groups_for_weight_decay(model, 0.2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert plain["weight_decay"] == 0.0 and decayed["weight_decay"] == 0.2
+    assert {"logit_scale", "token_embedding.weight", "positional_embedding", "visual.class_embedding",
+            "visual.positional_embedding", "transformer.resblocks.0.ls_1.gamma"} <= plain_names
+    assert all(not n.endswith(".bias") and "ln_" not in n for n in decayed_names)
+    assert "visual.transformer.resblocks.0.attn.in_proj_weight" in decayed_names
+    assert "visual.proj" in decayed_names and "text_projection" in decayed_names
+
+
+@pytest.mark.parametrize("ls_init_value", [None, 0.5])
+def test_openclip_state_dict_loads_strictly_and_gives_same_embeddings(ls_init_value):
+    torch.manual_seed(0)
+    theirs = tiny_openclip(ls_init_value)
+    ours = build_model(tiny_config(ls_init_value=0.0)).eval()
+    load_openclip_state_dict(ours, theirs.state_dict())
+    images = torch.randn(4, 3, 32, 32)
+    tokens = open_clip.tokenize(["a red cat", "hello", "x y z", "a dog on a mat"], context_length=16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.encode_image(images), theirs.encode_image(images, normalize=True))
+        torch.testing.assert_close(ours.encode_text(tokens), theirs.encode_text(tokens, normalize=True))
+        assert ours(images, tokens)[2] == theirs(images, tokens)[2]
+
+
+def test_openclip_checkpoint_file_loads(tmp_path):
+    theirs = tiny_openclip(None)
+    path = tmp_path / "openclip.pt"
+    torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in theirs.state_dict().items()}}, path)
+    ours = build_model(tiny_config())
+    load_openclip_checkpoint(ours, path)
+    assert torch.equal(ours.visual.proj, theirs.visual.proj)
+
+
+def test_openclip_checkpoint_of_other_architecture_fails_clearly():
+    theirs = tiny_openclip(None)
+    other = tiny_config()
+    other.embed_dim = 16
+    with pytest.raises(ValueError, match="text_projection"):
+        load_openclip_state_dict(build_model(other), theirs.state_dict())
+
+
+@pytest.mark.parametrize("preset,openclip_name", [("vit_b32", "ViT-B-32"), ("vit_l14", "ViT-L-14"),
+                                                  ("vit_huge", "ViT-H-14")])
+def test_presets_have_openclip_parameter_names_and_shapes(preset, openclip_name):
+    ours = build_model(compose_config([f"model={preset}", "data=synthetic_shapes"]).model, "meta")
+    with torch.device("meta"):
+        theirs = OpenCLIP(**open_clip.get_model_config(openclip_name))
+    expected = {k: v.shape for k, v in theirs.state_dict().items()}
+    got = {k: v.shape for k, v in ours.state_dict().items() if not k.endswith(".gamma")}
+    assert got == expected
+    assert count_parameters(ours)["total"] >= sum(v.numel() for v in theirs.parameters())
+
+
+def test_logit_scale_clamped_at_ln_100():
+    model = build_model(tiny_config())
+    with torch.no_grad():
+        model.logit_scale.fill_(10.0)
+    model.clamp_logit_scale()
+    assert math.isclose(model.logit_scale.item(), math.log(100), rel_tol=1e-6)
+
+
+def test_patch_dropout_keeps_class_token_and_only_in_training():
+    config = tiny_config()
+    config.vision.patch_dropout = 0.5
+    model = build_model(config)
+    x = torch.randn(2, 17, 48)
+    dropped = model.visual.patch_dropout(x)
+    assert dropped.shape == (2, 9, 48) and torch.equal(dropped[:, 0], x[:, 0])
+    model.eval()
+    assert torch.equal(model.visual.patch_dropout(x), x)
+
+
+def test_grad_checkpointing_gives_same_gradients():
+    torch.manual_seed(0)
+    plain = build_model(tiny_config(ls_init_value=0.3))
+    checkpointed = build_model(tiny_config(ls_init_value=0.3))
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.set_grad_checkpointing(True)
+    images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 400, (2, 16))
+    for model in (plain, checkpointed):
+        image_features, text_features, _ = model(images, tokens)
+        (image_features @ text_features.T).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_width_not_divisible_by_heads_fails_clearly():
+    config = tiny_config()
+    config.vision.heads = 5
+    with pytest.raises(ValueError, match="width 48 is not divisible by heads 5"):
+        build_model(config)
+
+
+def test_block_has_openclip_names():
+    names = {n for n, _ in Block(8, 2, 4.0, 0.0, False).named_parameters()}
+    assert {"attn.in_proj_weight", "attn.out_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.bias",
+            "ls_1.gamma", "ls_2.gamma", "ln_1.weight", "ln_2.bias"} <= names

@@ -1,0 +1,68 @@
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import data_overrides, run_train
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_lines(run_dir) -> dict[int, dict]:
+    return {m["step"]: m for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+def tiny_run(shapes, run_dir, *extra: str) -> list[str]:
+    return [
+        "experiment=quickstart", *data_overrides(shapes), f"trainer.run_dir={run_dir}", "trainer.progress=false",
+        "data.batch_size=32", "data.num_workers=2", "trainer.log_every=4", "optim.warmup_steps=5", *extra,
+    ]
+
+
+def test_quickstart_pipeline_writes_run_directory(shapes, tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=12", "trainer.eval.every=6", "trainer.ckpt_every=6",
+                       "trainer.keep_last_k=1"))
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    lines = train_lines(run_dir)
+    assert sorted(lines) == list(range(12))
+    for key in ("train/loss", "train/lr", "train/samples_per_s", "train/grad_norm"):
+        assert all(isinstance(m[key], float) for m in lines.values()), key
+    evals = [m for m in read_metrics(run_dir) if "eval/zeroshot_top1" in m]
+    assert [m["step"] for m in evals] == [6, 12]
+    assert all(0 <= m["eval/zeroshot_top1"] <= 1 and "eval/i2t_r5" in m and "eval/t2i_r1" in m for m in evals)
+    assert os.listdir(run_dir / "checkpoints") == ["step_00000012"]  # keep_last_k=1 pruned step 6
+    state = torch.load(run_dir / "checkpoints/step_00000012/train_state.pt", weights_only=True)
+    assert state["step"] == 12
+
+
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(shapes, tmp_path):
+    common = ["trainer.max_steps=16", "trainer.ckpt_every=7", "trainer.eval.every=8",
+              "model.vision.patch_dropout=0.25", "data.crop_scale_min=0.5"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(tiny_run(shapes, straight, *common))
+    # Stop at step 10 (the last checkpoint is step 7), then continue to 16 from that checkpoint.
+    run_train(tiny_run(shapes, resumed, *common, "trainer.stop_at_step=10"))
+    # As if it had crashed after step 10 before saving: steps 7..9 are logged twice, kept once.
+    shutil.rmtree(resumed / "checkpoints/step_00000010")
+    run_train(tiny_run(shapes, resumed, *common, "trainer.resume=latest"))
+    want, got = read_metrics(straight), read_metrics(resumed)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key != "train/samples_per_s":
+                assert a[key] == b[key], (a["step"], key)
+
+
+def test_resume_from_explicit_path_and_missing_checkpoint(shapes, tmp_path):
+    with pytest.raises(AssertionError, match="is not a checkpoint directory"):
+        run_train(tiny_run(shapes, tmp_path / "x", "trainer.max_steps=2", f"trainer.resume={tmp_path}"))
+    # latest with no checkpoint yet starts from scratch
+    run_train(tiny_run(shapes, tmp_path / "fresh", "trainer.max_steps=2", "trainer.resume=latest"))
+    assert sorted(train_lines(tmp_path / "fresh")) == [0, 1]
