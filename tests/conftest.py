@@ -30,7 +30,8 @@ def shapes(tmp_path_factory) -> dict[str, str]:
 
 
 def data_overrides(shapes: dict[str, str]) -> list[str]:
-    return [f"data.shards={shapes['shards']}", f"data.eval_shards={shapes['eval_shards']}", "data.generate=false"]
+    # Quoted: braces are Hydra override syntax.
+    return [f"data.shards='{shapes['shards']}'", f"data.eval_shards='{shapes['eval_shards']}'", "data.generate=false"]
 
 
 def run_train(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -122,3 +122,22 @@ def test_eval_batches_carry_labels(shapes):
     labels = torch.cat([b["labels"] for b in batches])
     assert len(labels) == 100 and labels.min() >= 0
     assert os.path.isfile(os.path.join(os.path.dirname(expand_shards(shapes["eval_shards"])[0]), "classes.json"))
+
+
+def test_make_synthetic_shards_script(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, "scripts/make_synthetic_shards.py", str(tmp_path / "s"), "--train", "30", "--eval", "10",
+         "--train-shards", "3", "--eval-shards", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    shards = expand_shards(str(tmp_path / "s/train/train-{000000..000002}.tar"))
+    assert read_sizes(shards) == {s: 10 for s in shards}
+    assert (tmp_path / "s/eval/classes.json").is_file()
+    bad = subprocess.run([sys.executable, "scripts/make_synthetic_shards.py", str(tmp_path / "t"), "--train", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--train must be at least 1" in bad.stderr

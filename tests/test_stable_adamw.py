@@ -175,9 +175,9 @@ def test_update_clipping_engages_exactly_above_threshold(foreach):
     torch.testing.assert_close(clipped[0], unclipped[0] / expected_rms, rtol=1e-6, atol=0)
     torch.testing.assert_close(clipped[1], unclipped[1], rtol=0, atol=0)
 
-    half, opt = second_step_delta(clip_threshold=expected_rms / 1.2)
+    partly, opt = second_step_delta(clip_threshold=expected_rms / 1.2)
     assert opt.last_clipped.item() == 1
-    torch.testing.assert_close(half[0], unclipped[0] / 1.2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(partly[0], unclipped[0] / 1.2, rtol=1e-6, atol=0)
 
     not_yet, opt = second_step_delta(clip_threshold=expected_rms * 1.01)
     assert opt.last_clipped.item() == 0

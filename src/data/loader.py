@@ -138,9 +138,12 @@ class TrainLoader:
             role_offset=self.batches % len(self.positions), bad_samples=list(self.bad_samples), **self.kwargs,
         )
         workers = self.cfg.num_workers
+        # Its own generator: otherwise starting the workers draws from the global RNG, and a resumed run
+        # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
         return iter(DataLoader(
             stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
             persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+            generator=torch.Generator().manual_seed(self.kwargs["seed"]),
         ))
 
     def __iter__(self) -> Iterator[dict]:

@@ -93,7 +93,8 @@ class StableAdamW(Optimizer):
     ) -> Any:
         """One update of every parameter that has a gradient.
 
-        grad_scale: gradients are divided by it (the fixed fp16 loss scale); `p.grad` is left untouched.
+        grad_scale: a float or 0-dim tensor on the params' device (the fixed fp16 loss scale); gradients are
+            divided by it on the fly, `p.grad` is left untouched.
         skip_nonfinite: a tensor whose gradient has an Inf/NaN keeps its parameter, moments and step count;
             the others step normally.
         found_inf: 0-dim tensor on the params' device; if nonzero nothing changes at all.

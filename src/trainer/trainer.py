@@ -32,8 +32,8 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 def rng_state() -> dict:
     state = {
         "python": random.getstate(),
-        "numpy": {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                  for k, v in np.random.get_state(legacy=False).items()},
+        # weights_only loading refuses numpy arrays, so the Mersenne-Twister keys travel as a tensor.
+        "numpy": [torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -43,7 +43,7 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state({k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in state["numpy"].items()})
+    np.random.set_state(tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in state["numpy"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
