@@ -21,8 +21,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-# Kept equal to SpikeConfig.rms_threshold (a test checks); the script runs without `src` importable.
-DEFAULT_RMS_THRESHOLD = 2.3
+from src.config import SpikesConfig
+
+DEFAULT_RMS_THRESHOLD = SpikesConfig().rms_threshold
 LOSS, RMS, LR, SCALE = "train/loss", "optim/rms/patch_embed", "train/lr", "scaler/scale"
 
 

@@ -70,6 +70,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-6
     weight_decay: float = 0.2
+    clip_threshold: float = 1.0
     warmup_steps: int = 100
     min_lr_ratio: float = 0.0
     grad_clip_norm: float | None = None
@@ -79,6 +80,24 @@ class OptimConfig:
 class PrecisionConfig:
     name: str = MISSING
     dtype: str = "bf16"
+    scaler: str = "none"
+    fixed_scale: float = 65536.0
+
+
+@dataclass
+class SpikesConfig:
+    """Loss/RMS spike heuristics of Wortsman et al. 2023 (appendix); used by src.trainer.spikes."""
+
+    enabled: bool = True
+    rms_threshold: float = 2.3
+    loss_std_factor: float = 3.2
+    window: int = 100
+    ignore_first: int = 1000
+    merge_within: int = 10
+    attribution_min: int = 1
+    attribution_max: int = 8
+    alert: bool = True
+    alert_wait_s: int = 300
 
 
 @dataclass
@@ -123,6 +142,7 @@ class TrainConfig:
     precision: PrecisionConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
+    spikes: SpikesConfig = field(default_factory=SpikesConfig)
     experiment_name: str = "default"
 
 

@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from src.trainer.spikes import SpikeConfig
-
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_run.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -86,10 +84,6 @@ def check_png(path: Path) -> tuple[int, int]:
         image.verify()
     with Image.open(path) as image:
         return image.size
-
-
-def test_default_threshold_matches_spike_config():
-    assert plot_run.DEFAULT_RMS_THRESHOLD == SpikeConfig().rms_threshold
 
 
 def test_single_run_writes_png_in_run_dir(tmp_path, capsys):

@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from src.trainer.spikes import SpikeConfig, SpikeDetector
+from src.config import SpikesConfig as SpikeConfig
+from src.trainer.spikes import SpikeDetector
 
 N_STEPS = 3000
 SPIKE = 1.0  # ~30 running std above the mean: unmistakable

@@ -66,3 +66,25 @@ def test_resume_from_explicit_path_and_missing_checkpoint(shapes, tmp_path):
     # latest with no checkpoint yet starts from scratch
     run_train(tiny_run(shapes, tmp_path / "fresh", "trainer.max_steps=2", "trainer.resume=latest"))
     assert sorted(train_lines(tmp_path / "fresh")) == [0, 1]
+
+
+def test_fp16_fixed_scaler_run_logs_stability_metrics_and_plots(shapes, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    run_dir = tmp_path / "fp16"
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=8", "trainer.eval.every=0", "optim=stable_adamw",
+                       "precision=fp16", "precision.scaler=fixed", "spikes.ignore_first=0", "spikes.window=4"))
+    lines = train_lines(run_dir)
+    for key in ("optim/rms/patch_embed", "optim/rms_max", "optim/clipped_frac", "scaler/scale",
+                "scaler/skipped_tensors", "train/grad_norm", "spike/loss", "spike/loss_spikes"):
+        assert all(key in m for m in lines.values()), key
+    assert all(m["scaler/scale"] == 65536.0 for m in lines.values())
+    assert (run_dir / "spikes.jsonl").is_file()
+    out = subprocess.run([sys.executable, "scripts/plot_run.py", str(run_dir)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    png = (run_dir / "plot.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -2,27 +2,62 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from src.config import OptimConfig
 from src.optim.param_groups import param_groups_for_weight_decay
+from src.optim.stable_adamw import StableAdamW
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "stable_adamw", "adamw8bit")
 
 
-def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimConfig, model: nn.Module, *, per_tensor_skips: bool = False) -> torch.optim.Optimizer:
+    """`per_tensor_skips` (the fixed fp16 scaler) needs our StableAdamW: with update clipping off
+    (clip_threshold = inf) its update is AdamW's, bias correction and decoupled decay included."""
     groups = param_groups_for_weight_decay(model, cfg.weight_decay)
+    betas = tuple(cfg.betas)
     if cfg.name == "adamw":
+        if per_tensor_skips:
+            return StableAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                               clip_threshold=math.inf)
         # fused=True runs on CPU and CUDA and accepts a device-side found_inf flag (see optimizer_step).
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True)
+    if cfg.name == "stable_adamw":
+        return StableAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           clip_threshold=cfg.clip_threshold)
+    if cfg.name == "adamw8bit":
+        return build_adamw8bit(cfg, groups, model, per_tensor_skips)
     raise ValueError(f"optim.name={cfg.name!r} is not a known optimizer: choose one of {', '.join(OPTIMIZERS)}")
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Step, unless the 0-dim `found_inf` is nonzero. The flag stays on the device: no host sync."""
-    optimizer.found_inf = found_inf
+def build_adamw8bit(cfg: OptimConfig, groups: list[dict], model: nn.Module, per_tensor_skips: bool):
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"optim=adamw8bit (bitsandbytes) runs on CUDA only, the model is on {device}: "
+                         "use optim=adamw or optim=stable_adamw")
+    if per_tensor_skips:
+        raise ValueError("precision.scaler=fixed cannot skip tensors inside bitsandbytes' AdamW8bit: "
+                         "use precision.scaler=dynamic or optim=adamw")
     try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise ImportError("optim=adamw8bit needs bitsandbytes: pip install 'stableclip[gpu]'") from err
+    return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Step, unless the 0-dim `found_inf` is nonzero. The flag stays on the device: no host sync.
+
+    torch's fused AdamW and our StableAdamW read it as an attribute, the way torch.amp.GradScaler hands it
+    over; other optimizers (bitsandbytes) do not, so for them the check costs one sync."""
+    if isinstance(optimizer, StableAdamW) or getattr(optimizer, "defaults", {}).get("fused"):
+        optimizer.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not found_inf.item():
         optimizer.step()
-    finally:
-        optimizer.found_inf = None

@@ -38,6 +38,9 @@ class StableAdamW(Optimizer):
       last_clipped  0-dim int64, how many tensors had RMS > clip_threshold, i.e. a clipped step size.
     """
 
+    # GradScaler then hands over its found_inf flag instead of syncing on it (see step()).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -99,6 +102,9 @@ class StableAdamW(Optimizer):
             the others step normally.
         found_inf: 0-dim tensor on the params' device; if nonzero nothing changes at all.
         """
+        # torch.amp.GradScaler and our optimizer_step() pass these as attributes, as for torch's fused AdamW.
+        grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
+        found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():

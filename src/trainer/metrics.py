@@ -44,9 +44,11 @@ class MetricLogger:
         self.bar = None
         if not enabled:
             return
-        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        truncate_jsonl(self.metrics_path, start_step - 1)
-        self.metrics_file = open(self.metrics_path, "a")
+        self.files = {}
+        for name in ("metrics.jsonl", "spikes.jsonl"):
+            path = os.path.join(run_dir, name)
+            truncate_jsonl(path, start_step - 1)
+            self.files[name] = open(path, "a")
         if cfg.wandb:
             self.wandb_run = self._init_wandb(cfg, config)
         if progress:
@@ -63,6 +65,7 @@ class MetricLogger:
             project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=cfg.mode, dir=self.run_dir,
             config=config, id=run_id, resume="allow",
         )
+        # Every panel, spike/* included, plots against the training step.
         run.define_metric("train/step")
         run.define_metric("*", step_metric="train/step")
         return run
@@ -70,16 +73,28 @@ class MetricLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
-        self.metrics_file.write(json.dumps(record) + "\n")
+        self.event("metrics.jsonl", {"step": step, **metrics})
         if self.wandb_run is not None:
             self.wandb_run.log({"train/step": step, **metrics})
+
+    def event(self, filename: str, record: dict) -> None:
+        """Append one record to a JSONL file of the run directory."""
+        if self.enabled:
+            self.files[filename].write(json.dumps({k: jsonable(v) for k, v in record.items()}) + "\n")
+
+    def alert(self, title: str, text: str, wait_s: int) -> None:
+        """A W&B alert (email/Slack, per the user's W&B settings), at most one per title every `wait_s`."""
+        if self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.alert(title=title, text=text, level=wandb.AlertLevel.WARN, wait_duration=wait_s)
 
     def flush(self, step: int, summary: dict) -> None:
         """Called every `log_every` steps: persist lines and refresh the progress bar."""
         if not self.enabled:
             return
-        self.metrics_file.flush()
+        for f in self.files.values():
+            f.flush()
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in summary.items()}, refresh=True)
@@ -91,7 +106,8 @@ class MetricLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        self.metrics_file.close()
+        for f in self.files.values():
+            f.close()
         if self.bar is not None:
             self.bar.close()
         if self.wandb_run is not None:

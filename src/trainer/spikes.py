@@ -27,26 +27,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass
-class SpikeConfig:
-    rms_threshold: float = 2.3  # RMS spike: patch-embedding RMS_t >= this
-    loss_std_factor: float = 3.2  # loss spike: loss > running mean + factor * running std
-    window: int = 100  # past losses in the running mean/std
-    ignore_first: int = 1000  # steps before this one are never reported
-    merge_within: int = 10  # same-type spikes less than this many steps apart form one event
-    attribution_min: int = 1  # a loss spike is "preceded" when an RMS event began
-    attribution_max: int = 8  # attribution_min..attribution_max steps (inclusive) before it
+from src.config import SpikesConfig
 
 
 class SpikeDetector:
     """Feed one (step, loss, patch-embedding RMS) triple per logged step; get back new events."""
 
-    def __init__(self, config: SpikeConfig | None = None) -> None:
-        self.config = config or SpikeConfig()
+    def __init__(self, config: SpikesConfig | None = None) -> None:
+        self.config = config or SpikesConfig()
         if self.config.window < 2:
             raise ValueError(f"window must be >= 2 to have a standard deviation, got {self.config.window}")
         self._losses: deque[float] = deque(maxlen=self.config.window)

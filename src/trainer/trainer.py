@@ -17,16 +17,27 @@ from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
 from src.models.clip import build_model
-from src.optim import build_optimizer, build_scheduler, optimizer_step
+from src.optim import build_optimizer, build_scheduler
+from src.optim.grad_norm import clip_grad_norm
+from src.optim.rms import update_rms
+from src.optim.scalers import build_scaler
 from src.trainer import checkpoint
 from src.trainer.distributed import DistInfo, all_reduce_mean, barrier
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
+from src.trainer.spikes import SpikeDetector
 
 log = logging.getLogger(__name__)
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The patch embedding is where the paper finds RMS spikes 1-8 steps before loss spikes.
+PATCH_EMBED = "visual.conv1.weight"
+METRIC_NAMES = {
+    "loss": "train/loss", "grad_norm": "train/grad_norm", "skipped_step": "train/skipped_step",
+    "logit_scale": "train/logit_scale", "skipped_tensors": "scaler/skipped_tensors", "scale": "scaler/scale",
+    "rms_patch_embed": "optim/rms/patch_embed", "rms_max": "optim/rms_max", "clipped_frac": "optim/clipped_frac",
+}
 
 
 def rng_state() -> dict:
@@ -70,7 +81,8 @@ class Trainer:
             self.forward_model = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.optimizer = build_optimizer(cfg.optim, self.model)
+        self.scaler = build_scaler(cfg.precision, self.device)
+        self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors)
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
         )
@@ -80,6 +92,8 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
         )
         self.normalize = ImageNormalizer(self.device)
+        self.patch_embed = dict(self.model.named_parameters())[PATCH_EMBED]
+        self.spikes = SpikeDetector(cfg.spikes)
         self.step = 0
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         if cfg.trainer.resume:
@@ -101,20 +115,37 @@ class Trainer:
         with self.autocast():
             image_features, text_features, logit_scale = self.forward_model(images, tokens)
             loss = clip_loss(image_features.float(), text_features.float(), logit_scale.float())
-        loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.cfg.optim.grad_clip_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip_norm, foreach=True)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        # Gradients are already averaged across ranks, so every rank agrees on skipping a bad step.
-        found_inf = (~torch.isfinite(grad_norm)).float()
-        optimizer_step(self.optimizer, found_inf)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = clip_grad_norm(grads, self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
+                                   ignore_nonfinite=self.scaler.skips_tensors)
+        # Gradients are averaged across ranks by now, so every rank takes the same decision. (The fixed scaler's
+        # norm leaves non-finite tensors out: the optimizer skips those one by one instead.)
+        found_inf = (~grad_norm.isfinite()).float()
+        self.scaler.step(self.optimizer, found_inf)
+        values = {"loss": loss.detach(), "grad_norm": grad_norm, "skipped_step": found_inf,
+                  "logit_scale": self.model.logit_scale.detach().exp()}
+        values.update(self.rms_metrics(len(grads), found_inf))
+        scale = self.scaler.current_scale()
+        if scale is not None:
+            values["scale"] = scale.detach().clone()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.model.clamp_logit_scale()
-        return {"loss": loss.detach(), "grad_norm": grad_norm, "skipped": found_inf,
-                "logit_scale": self.model.logit_scale.detach().exp()}
+        return values
+
+    def rms_metrics(self, num_tensors: int, found_inf: torch.Tensor) -> dict[str, torch.Tensor]:
+        skipped = getattr(self.optimizer, "last_skipped", None)
+        values = {"skipped_tensors": skipped.float() if self.scaler.skips_tensors else found_inf * num_tensors}
+        rms = update_rms(self.optimizer) if self.cfg.spikes.enabled else None
+        if rms is not None:
+            params, per_tensor = rms
+            patch = next(i for i, p in enumerate(params) if p is self.patch_embed)
+            values["rms_patch_embed"] = per_tensor[patch]
+            values["rms_max"] = per_tensor.max()
+            values["clipped_frac"] = (per_tensor > self.cfg.optim.clip_threshold).float().mean()
+        return values
 
     def fit(self) -> None:
         cfg = self.cfg.trainer
@@ -143,16 +174,32 @@ class Trainer:
         names = list(pending[0][2])
         values = torch.stack([torch.stack([v[n].float() for n in names]) for _, _, v in pending])
         values[:, names.index("loss")] = all_reduce_mean(values[:, names.index("loss")])
-        rows = values.tolist()
-        for (step, lr, _), row in zip(pending, rows):
-            by_name = dict(zip(names, row))
-            self.metrics.log(step, {
-                "train/loss": by_name["loss"], "train/lr": lr, "train/samples_per_s": samples_per_s,
-                "train/grad_norm": by_name["grad_norm"], "train/logit_scale": by_name["logit_scale"],
-                "train/skipped_step": int(by_name["skipped"]), "train/epoch": self.loader.epoch,
-            })
-        last = dict(zip(names, rows[-1]))
-        self.metrics.flush(self.step, {"loss": last["loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
+        for (step, lr, _), row in zip(pending, values.tolist()):
+            record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
+            record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
+            if self.dist.is_main and self.cfg.spikes.enabled:
+                record.update(self.detect_spikes(step, record))
+            self.metrics.log(step, record)
+        self.metrics.flush(self.step, {"loss": record["train/loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
+
+    def detect_spikes(self, step: int, record: dict) -> dict:
+        events = self.spikes.update(step, record["train/loss"], record.get("optim/rms/patch_embed"))
+        for event in events:
+            self.metrics.event("spikes.jsonl", event)
+            if event["type"] == "loss" and self.cfg.spikes.alert:
+                self.metrics.alert(
+                    f"loss spike in {self.cfg.experiment_name}",
+                    f"step {step}: loss {event['loss']} vs running mean {event['mean']} "
+                    f"(preceded by a patch-embedding RMS spike: {event['preceded_by_rms_spike']})",
+                    wait_s=self.cfg.spikes.alert_wait_s,
+                )
+        counts = self.spikes.counts()
+        return {
+            "spike/loss": int(any(e["type"] == "loss" for e in events)),
+            "spike/rms": int(any(e["type"] == "rms" for e in events)),
+            "spike/loss_spikes": counts["loss_spikes"], "spike/rms_spikes": counts["rms_spikes"],
+            "spike/loss_spikes_preceded": counts["loss_spikes_preceded"],
+        }
 
     def run_eval(self) -> None:
         """On rank 0 only, on the unwrapped model; the other ranks wait."""
@@ -176,7 +223,8 @@ class Trainer:
             "model": self.model.state_dict(),
             "train_state": {
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "step": self.step, "world_size": self.dist.world_size,
+                "step": self.step, "world_size": self.dist.world_size, "scaler": self.scaler.state_dict(),
+                "spikes": self.spikes.state_dict(),
             },
         }
         per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
@@ -207,6 +255,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        self.scaler.load_state_dict(state["scaler"])
+        self.spikes.load_state_dict(state["spikes"])
         mine = checkpoint.load_file(path, f"rank_{self.dist.rank}")
         self.loader.load_state_dict(mine["data"])
         set_rng_state(mine["rng"])

@@ -1,0 +1,113 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from src.config import OptimConfig, PrecisionConfig
+from src.optim import build_optimizer, param_groups_for_weight_decay
+from src.optim.grad_norm import clip_grad_norm
+from src.optim.rms import update_rms
+from src.optim.scalers import DynamicScaler, FixedScaler, build_scaler
+from src.optim.stable_adamw import StableAdamW
+
+CPU = torch.device("cpu")
+
+
+def two_layer_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+
+
+def backward_with_inf(model: nn.Module, scaler, poisoned: nn.Parameter) -> None:
+    loss = model(torch.randn(3, 4)).square().mean()
+    scaler.scale(loss).backward()
+    poisoned.grad[0, 0] = math.inf
+
+
+@pytest.mark.parametrize("optim", ["adamw", "stable_adamw"])
+def test_fixed_scaler_skips_only_the_tensor_with_an_inf(optim):
+    model = two_layer_model()
+    scaler = FixedScaler(65536.0, CPU)
+    optimizer = build_optimizer(OptimConfig(name=optim, lr=1e-2), model, per_tensor_skips=True)
+    assert isinstance(optimizer, StableAdamW)
+    # One clean step first, so that the skipped tensor has moments that must stay untouched.
+    scaler.scale(model(torch.randn(3, 4)).square().mean()).backward()
+    scaler.step(optimizer, torch.zeros(()))
+    optimizer.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    bad = model[1].weight
+    backward_with_inf(model, scaler, bad)
+    scaler.step(optimizer, torch.zeros(()))
+    for name, p in model.named_parameters():
+        unchanged = torch.equal(p, before[name]) and torch.equal(optimizer.state[p]["exp_avg"], moments[name])
+        assert unchanged == (p is bad), name
+    assert optimizer.last_skipped.item() == 1 and optimizer.state[bad]["step"].item() == 1
+
+
+def test_fixed_scaler_adamw_mode_equals_torch_adamw():
+    ours, theirs = two_layer_model(), two_layer_model()
+    a = build_optimizer(OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1), ours, per_tensor_skips=True)
+    b = torch.optim.AdamW(param_groups_for_weight_decay(theirs, 0.1), lr=1e-2, betas=(0.9, 0.98), eps=1e-6)
+    scaler = FixedScaler(1024.0, CPU)
+    for _ in range(20):
+        x = torch.randn(3, 4)
+        scaler.scale(ours(x).square().mean()).backward()
+        scaler.step(a, torch.zeros(()))
+        a.zero_grad()
+        theirs(x).square().mean().backward()
+        b.step()
+        b.zero_grad()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_scaler_skips_the_whole_step_and_backs_off():
+    model = two_layer_model()
+    scaler = DynamicScaler(CPU)
+    optimizer = build_optimizer(OptimConfig(name="adamw", lr=1e-2), model)
+    before = [p.detach().clone() for p in model.parameters()]
+    backward_with_inf(model, scaler, model[1].weight)
+    scale = scaler.current_scale().item()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer, torch.ones(()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert scaler.current_scale().item() == scale / 2
+
+
+def test_scaler_config_errors():
+    with pytest.raises(ValueError, match="precision.dtype=fp16 needs a loss scaler"):
+        build_scaler(PrecisionConfig(name="fp16", dtype="fp16", scaler="none"), CPU)
+    with pytest.raises(ValueError, match="precision.scaler='static' is not one of"):
+        build_scaler(PrecisionConfig(name="fp16", dtype="fp16", scaler="static"), CPU)
+
+
+def test_unknown_and_cpu_only_optimizers_fail_clearly():
+    with pytest.raises(ValueError, match="optim.name='sgd' is not a known optimizer"):
+        build_optimizer(OptimConfig(name="sgd"), two_layer_model())
+    with pytest.raises(ValueError, match="adamw8bit .* runs on CUDA only"):
+        build_optimizer(OptimConfig(name="adamw8bit"), two_layer_model())
+
+
+def test_update_rms_of_torch_adamw_matches_the_formula():
+    model = two_layer_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6, fused=True)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+    params, rms = update_rms(optimizer)
+    for p, value in zip(params, rms):
+        state = optimizer.state[p]
+        u_hat = state["exp_avg_sq"] / (1 - 0.95 ** state["step"].item())
+        expected = (p.grad.square() / u_hat.clamp_min(1e-12)).mean().sqrt()
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_grad_norm_ignores_nonfinite_tensors_when_asked():
+    grads = [torch.full((4,), 3.0), torch.full((4,), 4.0), torch.tensor([math.inf])]
+    assert math.isinf(clip_grad_norm([g.clone() for g in grads], None).item())
+    total = clip_grad_norm(grads, 1.0, divisor=2.0, ignore_nonfinite=True)
+    assert math.isclose(total.item(), 5.0, rel_tol=1e-6)  # sqrt(4·9 + 4·16) / 2
+    assert math.isclose(torch.cat(grads[:2]).norm().item() / 2, 1.0, rel_tol=1e-4)
