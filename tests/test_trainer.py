@@ -88,3 +88,17 @@ def test_fp16_fixed_scaler_run_logs_stability_metrics_and_plots(shapes, tmp_path
     assert out.returncode == 0, out.stderr
     png = (run_dir / "plot.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_wandb_offline_run_and_spike_events(shapes, tmp_path):
+    run_dir = tmp_path / "wb"
+    # A negative factor flags every step once the window is full: a deterministic stand-in for a spike.
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=6", "trainer.eval.every=0", "logger=wandb",
+                       "spikes.ignore_first=0", "spikes.window=2", "spikes.loss_std_factor=-10"))
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (run_dir / "wandb_run_id").read_text().strip()
+    with open(run_dir / "spikes.jsonl") as f:
+        events = [json.loads(line) for line in f]
+    assert [e["step"] for e in events if e["type"] == "loss"] == [2]  # consecutive spikes merge into one
+    lines = train_lines(run_dir)
+    assert [s for s, m in lines.items() if m["spike/loss"]] == [2] and lines[5]["spike/loss_spikes"] == 1

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import secrets
 
 from tqdm import tqdm
 
@@ -58,7 +59,7 @@ class MetricLogger:
         import wandb  # heavy, and absent on some machines: imported only when asked for
 
         id_path = os.path.join(self.run_dir, "wandb_run_id")
-        run_id = open(id_path).read().strip() if os.path.exists(id_path) else wandb.util.generate_id()
+        run_id = open(id_path).read().strip() if os.path.exists(id_path) else secrets.token_hex(4)
         with open(id_path, "w") as f:
             f.write(run_id)
         run = wandb.init(
