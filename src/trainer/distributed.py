@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 
 @dataclass(frozen=True)
@@ -65,11 +64,30 @@ def barrier() -> None:
         dist.barrier()
 
 
+class _AllGather(torch.autograd.Function):
+    """Forward: concatenate every rank's rows. Backward: each rank gets the sum over ranks of the gradient
+    of its own rows (all-reduce then slice, which gloo supports, unlike reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.rows = x.shape[0]
+        out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        start = dist.get_rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `x` along dim 0; gradients flow back to each rank's own slice."""
+    """Concatenate every rank's `x` along dim 0 (equal sizes); gradients flow back to each rank's rows."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x
-    return torch.cat(dist_fn.all_gather(x), dim=0)
+    return _AllGather.apply(x)
 
 
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
