@@ -46,6 +46,8 @@ class ModelConfig:
     init_logit_scale: float = math.log(1 / 0.07)
     max_logit_scale: float = math.log(100)
     grad_checkpointing: bool = False
+    linear: str = "standard"
+    linear_backend: str = "cuda"
 
 
 @dataclass

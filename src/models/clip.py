@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config import ModelConfig
+from src.models.switchback.convert import check_linear_choice, convert_to_switchback
 from src.models.transformer import Transformer
 from src.models.vision import VisionTransformer
 
@@ -72,9 +73,13 @@ class CLIP(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
-    """Build on the meta device first so a large model never materialises twice, then initialise."""
+    """Build on the meta device first so a large model never materialises twice, then initialise.
+    `model.linear` other than standard swaps the transformer blocks' linear layers for SwitchBack."""
     with torch.device("meta"):
         model = CLIP(cfg)
+    if cfg.linear != "standard":
+        check_linear_choice(cfg.linear, cfg.linear_backend, torch.device(device))
+        convert_to_switchback(model, cfg.linear, cfg.linear_backend)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         model.init_weights()

@@ -40,6 +40,9 @@ class LayerScale(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with a fused QKV projection, laid out like nn.MultiheadAttention."""
 
+    # The QKV projection's linear op: convert_to_switchback swaps it (out_proj is an nn.Linear, swapped too).
+    linear = staticmethod(F.linear)
+
     def __init__(self, width: int, heads: int):
         super().__init__()
         if width % heads:
@@ -51,7 +54,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         batch, length, width = x.shape
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, width))

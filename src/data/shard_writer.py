@@ -1,0 +1,428 @@
+"""Pack an image folder and a captions table into webdataset shards in img2dataset's layout, and check shards.
+
+Layout: `OUT/00000.tar, 00001.tar, ...`, each sample `{key}.jpg|png|webp`, `{key}.txt` and `{key}.json`; per
+shard a `{shard}_stats.json`; for the folder `sizes.json` ({shard file name: samples}) and `failures.jsonl`.
+A key is `f"{shard:05d}{row:04d}"` (img2dataset's), `row` being the sample's place among its shard's input
+rows. So a shard takes at most 10,000 rows, a folder at most 100,000 shards, and a failed image leaves a gap
+in the keys instead of shifting the samples after it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import tarfile
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+from webdataset.tariterators import base_plus_ext
+
+from src.data.shards import read_sizes
+
+MAX_SHARD_SIZE = 10_000
+MAX_SHARDS = 100_000
+KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+# The loader's choice (src.data.image_text.IMAGE_EXTENSIONS), repeated here because that module imports torch.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+FAILURE_KINDS = ("failed_to_read", "failed_to_decode", "failed_no_caption")
+
+
+class InputError(ValueError):
+    """Inputs the user has to fix; the command-line tools exit with code 2."""
+
+
+class SampleError(Exception):
+    """One row that cannot become a sample; `kind` is one of FAILURE_KINDS."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Row:
+    path: str
+    caption: str
+    extra: dict
+    location: str  # "line 7" or "row 6", for messages
+
+
+# ----------------------------------------------------------------------------------------------- captions
+
+
+def _check_columns(file: str, where: str, found: list[str], wanted: tuple[str, ...]) -> None:
+    for column in wanted:
+        if column not in found:
+            raise InputError(f"{file}: {where} has no column {column!r} (columns: {', '.join(map(str, found))})")
+
+
+def _delimited_records(file: str, columns: tuple[str, ...], delimiter: str) -> Iterator[tuple[str, dict]]:
+    # utf-8-sig: spreadsheet programs start their CSV exports with a byte-order mark.
+    with open(file, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        _check_columns(file, "line 1 (header)", list(reader.fieldnames or []), columns)
+        for record in reader:
+            record.pop(None, None)  # values beyond the header's columns
+            yield f"line {reader.line_num}", record
+
+
+def _jsonl_records(file: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    with open(file, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{file}: line {number} is not JSON: {err}") from err
+            if not isinstance(record, dict):
+                raise InputError(f"{file}: line {number} is not a JSON object")
+            _check_columns(file, f"line {number}", list(record), columns)
+            yield f"line {number}", record
+
+
+def _parquet_records(file: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as err:
+        raise InputError(f"{file}: reading parquet needs pyarrow: pip install pyarrow") from err
+    try:
+        table = pyarrow.parquet.read_table(file)
+    except pyarrow.ArrowException as err:
+        raise InputError(f"{file}: cannot read parquet: {err}") from err
+    _check_columns(file, "the schema", table.column_names, columns)
+    for number, record in enumerate(table.to_pylist(), 1):
+        yield f"row {number}", record
+
+
+def read_captions(file: str, path_column: str = "path", caption_column: str = "caption") -> list[Row]:
+    """Rows of a CSV, TSV, JSONL or parquet captions table (by extension). A missing column, an unreadable
+    file or a table without rows raises InputError; an empty path or caption is left to the packer, which
+    reports that row as a failure."""
+    readers = {
+        ".csv": lambda f, c: _delimited_records(f, c, ","), ".tsv": lambda f, c: _delimited_records(f, c, "\t"),
+        ".jsonl": _jsonl_records, ".parquet": _parquet_records,
+    }
+    extension = os.path.splitext(file)[1].lower()
+    if extension not in readers:
+        raise InputError(f"{file}: unknown captions format {extension!r}: use .csv, .tsv, .jsonl or .parquet")
+    text = lambda value: "" if value is None else str(value)
+    rows = []
+    try:
+        for location, record in readers[extension](file, (path_column, caption_column)):
+            extra = {k: v for k, v in record.items() if k not in (path_column, caption_column)}
+            rows.append(Row(text(record[path_column]), text(record[caption_column]), extra, location))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise InputError(f"{file}: cannot read captions: {err}") from err
+    if not rows:
+        raise InputError(f"{file}: no captions: the table has no rows")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- images
+
+
+def jpeg_ready(img: Image.Image) -> Image.Image:
+    """An L or RGB image, which JPEG can hold. Transparency is flattened onto white (the colour under fully
+    transparent pixels is often black and would show); 16-bit greyscale is scaled to 8 bits, not clipped."""
+    if img.mode in ("RGB", "L"):
+        return img
+    if img.mode.startswith("I;16"):
+        return Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        flat = Image.new("RGB", img.size, (255, 255, 255))
+        flat.paste(rgba, mask=rgba.getchannel("A"))
+        return flat
+    return img.convert("RGB")
+
+
+def encode_image(data: bytes, max_size: int | None = None, quality: int = 95) -> tuple[bytes, str, dict]:
+    """Decode `data` fully (which verifies it) and return (bytes, extension, sizes). JPEG/PNG/WEBP within
+    `max_size` keep their bytes; larger images are downscaled to it and everything else is re-encoded as JPEG."""
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        original = {"original_width": img.width, "original_height": img.height}
+        extension = KEPT_FORMATS.get(img.format)
+        shrink = max_size is not None and max(img.size) > max_size
+        if extension and not shrink:
+            return data, extension, {"width": img.width, "height": img.height, **original}
+        image = jpeg_ready(img)
+        if shrink:
+            scale = max_size / max(img.size)
+            image = image.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                                 Image.Resampling.LANCZOS)
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue(), "jpg", {"width": image.width, "height": image.height, **original}
+
+
+def pack_row(key: str, row: Row, images_dir: str, max_size: int | None, quality: int) -> dict:
+    """The sample for one row (webdataset's dict of member bytes), or SampleError."""
+    if not row.caption.strip():
+        raise SampleError("failed_no_caption", "empty caption")
+    if not row.path:
+        raise SampleError("failed_to_read", "empty path")
+    try:
+        with open(os.path.join(images_dir, row.path), "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise SampleError("failed_to_read", f"{type(err).__name__}: {err.strerror or err}") from err
+    try:
+        image, extension, sizes = encode_image(data, max_size, quality)
+    except Exception as err:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
+        raise SampleError("failed_to_decode", f"{type(err).__name__}: {err}") from err
+    # Our fields win over extra columns of the same name: the loader and inspect_shards rely on them.
+    meta = {**row.extra, "key": key, "caption": row.caption, **sizes, "source_path": row.path}
+    return {
+        "__key__": key, extension: image, "txt": row.caption.encode("utf-8"),
+        "json": json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8"),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- shards
+
+
+def write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_shard(
+    out_dir: str, prefix: str, shard: int, rows: list[Row], images_dir: str, max_size: int | None, quality: int
+) -> tuple[dict, list[dict]]:
+    """Write one shard (via a .tmp name, so a crash leaves no half shard) and its _stats.json; returns
+    (stats, failures)."""
+    path = os.path.join(out_dir, f"{prefix}{shard:05d}.tar")
+    failures: list[dict] = []
+    kinds: Counter = Counter()
+    # A fixed member time makes the same input give byte-identical shards.
+    with wds.TarWriter(path + ".tmp", mtime=0) as sink:
+        for index, row in enumerate(rows):
+            key = f"{shard:05d}{index:04d}"
+            try:
+                sink.write(pack_row(key, row, images_dir, max_size, quality))
+            except SampleError as err:
+                kinds[err.kind] += 1
+                failures.append({"key": key, "source_path": row.path, "location": row.location, "reason": str(err)})
+    os.replace(path + ".tmp", path)
+    stats = {"count": len(rows), "successes": len(rows) - len(failures), **{k: kinds[k] for k in FAILURE_KINDS}}
+    write_atomic(path.removesuffix(".tar") + "_stats.json", json.dumps(stats, indent=1))
+    return stats, failures
+
+
+def shard_pattern(out_dir: str, shards: int, prefix: str = "") -> str:
+    return os.path.join(out_dir, f"{prefix}{{00000..{shards - 1:05d}}}.tar")
+
+
+@dataclass
+class PackSummary:
+    samples: int
+    failures: list[dict]
+    shards: int
+    pattern: str
+
+
+def make_shards(
+    rows: list[Row], images_dir: str, out_dir: str, *, shard_size: int = MAX_SHARD_SIZE, workers: int | None = None,
+    max_size: int | None = None, quality: int = 95, prefix: str = "",
+) -> PackSummary:
+    """Pack `rows` (paths relative to `images_dir`, or absolute) into shards `{prefix}00000.tar, ...` of
+    `shard_size` rows each, in parallel."""
+    if not rows:
+        raise InputError("no rows to pack")
+    if re.search(r"[/{}]", prefix):
+        raise InputError(f"--prefix {prefix!r} must not contain '/' or braces")
+    if not 1 <= shard_size <= MAX_SHARD_SIZE:
+        raise InputError(f"--shard-size must be in 1..{MAX_SHARD_SIZE} (keys hold 4 digits of row), got {shard_size}")
+    chunks = [rows[i : i + shard_size] for i in range(0, len(rows), shard_size)]
+    if len(chunks) > MAX_SHARDS:
+        raise InputError(f"{len(chunks)} shards exceed the {MAX_SHARDS} that 5-digit names allow: split the table")
+    os.makedirs(out_dir, exist_ok=True)
+    # A stale higher-numbered shard from an earlier run would be picked up by globs but missing from sizes.json.
+    stale = sorted(
+        name for name in os.listdir(out_dir)
+        if (m := re.fullmatch(re.escape(prefix) + r"(\d{5})(\.tar|_stats\.json)", name))
+        and int(m.group(1)) >= len(chunks)
+    )
+    if stale:
+        raise InputError(f"{out_dir} holds shards of an earlier, larger run ({', '.join(stale[:3])}, ...): "
+                         "remove them or write to another folder")
+    workers = min(workers or os.cpu_count() or 1, len(chunks))
+    with ProcessPoolExecutor(max_workers=workers) as pool, tqdm(total=len(rows), unit="sample", desc="packing") as bar:
+        jobs = [pool.submit(write_shard, out_dir, prefix, i, chunk, images_dir, max_size, quality)
+                for i, chunk in enumerate(chunks)]
+        for job in as_completed(jobs):
+            bar.update(job.result()[0]["count"])
+    results = [job.result() for job in jobs]
+    sizes = {f"{prefix}{i:05d}.tar": stats["successes"] for i, (stats, _) in enumerate(results)}
+    failures = [failure for _, shard_failures in results for failure in shard_failures]
+    write_atomic(os.path.join(out_dir, "sizes.json"), json.dumps(sizes, indent=1))
+    write_atomic(os.path.join(out_dir, "failures.jsonl"),
+                 "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
+    return PackSummary(sum(sizes.values()), failures, len(chunks), shard_pattern(out_dir, len(chunks), prefix))
+
+
+# ----------------------------------------------------------------------------------------------- inspection
+
+
+@dataclass
+class ShardReport:
+    shard: str
+    samples: int = 0
+    extensions: Counter = field(default_factory=Counter)
+    problems: list[dict] = field(default_factory=list)
+    caption_chars: list[int] = field(default_factory=list)
+    caption_words: list[int] = field(default_factory=list)
+    unreadable: bool = False
+
+    def problem(self, kind: str, detail: str, key: str | None = None) -> None:
+        self.problems.append({"shard": self.shard, "key": key, "kind": kind, "detail": detail})
+
+
+def check_sample(sample: dict, report: ShardReport) -> None:
+    """Verify one sample's image (full decode), caption and metadata; only parses bytes, never unpickles."""
+    key = sample["__key__"]
+    report.samples += 1
+    extension = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
+    if extension is None:
+        report.problem("missing_image", f"no image member (.{'/.'.join(IMAGE_EXTENSIONS)})", key)
+    else:
+        try:
+            with Image.open(io.BytesIO(sample[extension])) as img:
+                img.load()
+        except Exception as err:  # PIL raises many types for bad data
+            report.problem("corrupt_image", f".{extension}: {type(err).__name__}: {err}", key)
+    if "txt" not in sample:
+        report.problem("missing_caption", "no .txt member", key)
+    else:
+        try:
+            caption = sample["txt"].decode("utf-8")
+        except UnicodeDecodeError as err:
+            report.problem("bad_caption", f"not UTF-8: {err}", key)
+        else:
+            if not caption.strip():
+                report.problem("bad_caption", "empty caption", key)
+            report.caption_chars.append(len(caption))
+            report.caption_words.append(len(caption.split()))
+    if "json" in sample:
+        try:
+            json.loads(sample["json"])
+        except ValueError as err:
+            report.problem("corrupt_json", str(err), key)
+
+
+def tar_ends_cleanly(path: str, offset: int) -> bool:
+    """Whether only end-of-archive zero blocks follow `offset`. tarfile silently stops at a truncated or
+    garbled header, so without this check a shard cut at a member boundary would look complete."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        length = 0
+        while chunk := f.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                return False
+            length += len(chunk)
+    return length >= 2 * tarfile.BLOCKSIZE
+
+
+def tar_members(path: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of the regular members of a local tar; raises when it is cut short or corrupt."""
+    with tarfile.open(path, mode="r|*") as tar:
+        for member in tar:
+            tar.members = []  # stream mode would otherwise keep every header in memory
+            if member.isreg():
+                yield member.name, tar.extractfile(member).read()
+        end = tar.offset
+    if path.endswith(".tar") and not tar_ends_cleanly(path, end):
+        raise tarfile.ReadError(f"no end-of-archive marker after byte {end}: truncated, or a corrupt header")
+
+
+def inspect_shard(path: str) -> ShardReport:
+    """Read every member of one shard, grouping members into samples the way webdataset does."""
+    report = ShardReport(path)
+    sample: dict | None = None
+    seen: set[str] = set()
+    try:
+        for name, data in tar_members(path):
+            key, extension = base_plus_ext(name)
+            if key is None:
+                report.problem("bad_member_name", f"{name!r} has no extension")
+                continue
+            extension = extension.lower()
+            report.extensions[extension] += 1
+            if sample is None or key != sample["__key__"]:
+                if sample is not None:
+                    check_sample(sample, report)
+                if key in seen:
+                    report.problem("duplicate_key", "the key appears again after other samples", key)
+                seen.add(key)
+                sample = {"__key__": key}
+            if extension in sample:
+                report.problem("duplicate_member", f"two .{extension} members", key)
+            sample[extension] = data
+    except (tarfile.TarError, OSError, EOFError) as err:
+        # The sample being read may be cut short, so it is neither checked nor counted.
+        report.unreadable = True
+        report.problem("unreadable_shard", f"{type(err).__name__}: {err} (after {report.samples} samples)")
+        return report
+    if sample is not None:
+        check_sample(sample, report)
+    return report
+
+
+def expected_counts(shards: list[str]) -> tuple[dict[str, int] | None, dict[str, int | None]]:
+    """Sample counts the writer recorded: sizes.json (when it covers every shard) and each `_stats.json`."""
+    stats: dict[str, int | None] = {}
+    for shard in shards:
+        path = re.sub(r"\.tar$", "", shard) + "_stats.json"
+        try:
+            with open(path) as f:
+                stats[shard] = int(json.load(f)["successes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            stats[shard] = None
+    return read_sizes(shards), stats
+
+
+def describe(values: np.ndarray) -> dict | None:
+    if not len(values):
+        return None
+    return {"min": int(values.min()), "mean": round(float(values.mean()), 2), "median": float(np.median(values)),
+            "p95": float(np.percentile(values, 95)), "max": int(values.max())}
+
+
+def inspect_shards(shards: list[str], workers: int = 1) -> dict:
+    """Check local shards in parallel and return one JSON-ready report; `report["clean"]` is False when any
+    problem was found (corrupt or missing members, unreadable tars, counts that disagree with the writer's)."""
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(shards)))) as pool:
+        reports = list(tqdm(pool.map(inspect_shard, shards), total=len(shards), unit="shard", desc="inspecting"))
+    sizes, stats = expected_counts(shards)
+    per_shard, problems, extensions = [], [], Counter()
+    for report in reports:
+        expected = {"sizes.json": sizes[report.shard] if sizes else None, "_stats.json": stats[report.shard]}
+        for source, count in expected.items():
+            if count is not None and count != report.samples:
+                report.problem("count_mismatch", f"{report.samples} samples, {source} says {count}")
+        per_shard.append({"shard": report.shard, "samples": report.samples, **expected,
+                          "problems": len(report.problems), "unreadable": report.unreadable})
+        problems += report.problems
+        extensions.update(report.extensions)
+    chars = np.concatenate([np.asarray(r.caption_chars, dtype=np.int64) for r in reports])
+    words = np.concatenate([np.asarray(r.caption_words, dtype=np.int64) for r in reports])
+    return {
+        "shards": len(shards), "samples": sum(r.samples for r in reports), "clean": not problems,
+        "extensions": dict(sorted(extensions.items())),
+        "problem_counts": dict(sorted(Counter(p["kind"] for p in problems).items())),
+        "caption_chars": describe(chars), "caption_words": describe(words),
+        "per_shard": per_shard, "problems": problems,
+    }

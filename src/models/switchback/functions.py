@@ -1,0 +1,128 @@
+"""SwitchBack linear layers as an autograd function: y = x Wᵀ + b with low-precision matmuls for the
+forward pass and the input gradient, and the weight gradient Gᵀ X "switched back" to 16 bits (its inner
+dimension, batch × sequence, is where quantization noise would add up).
+
+Variants (Wortsman et al. 2023):
+- `switchback_int8` (Algorithm 1): X and G row-wise int8, W tensor-wise int8.
+- `switchback_int8_memeff` (Algorithm 3): as above, but only the int8 X is kept for backward, where the weight
+  gradient uses its dequantized value.
+- `switchback_int8_vectorwise` (Algorithm 4): W row-wise in the forward pass, column-wise for the input gradient.
+- `switchback_fp8`: e4m3 operands, X and G row-wise, W tensor-wise (Hopper: compute capability ≥ 8.9).
+
+Backends: `reference` runs the matmuls in plain PyTorch on any device (exact int8 sums in float64);
+`cuda` runs them on the GPU's integer / fp8 tensor cores (`torch._int_mm`, `torch._scaled_mm`). Both share
+the quantizers of `reference.py`, so they agree up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from src.models.switchback import reference as ref
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fp8: bool
+    weight_dim_forward: int | None  # None: one scale for W; 1: a scale per output row
+    weight_dim_backward: int | None  # None: one scale for W; 0: a scale per input column
+    save_int8_input: bool
+
+
+VARIANTS = {
+    v.name: v for v in (
+        Variant("switchback_int8", False, None, None, False),
+        Variant("switchback_int8_memeff", False, None, None, True),
+        Variant("switchback_int8_vectorwise", False, 1, 0, False),
+        Variant("switchback_fp8", True, None, None, False),
+    )
+}
+BACKENDS = ("cuda", "reference")
+
+
+def check_backend(variant: Variant, backend: str, device: torch.device) -> None:
+    """Fail loudly where a variant cannot run, instead of silently falling back to something slower."""
+    if backend not in BACKENDS:
+        raise ValueError(f"model.linear_backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"model.linear={variant.name} with the cuda backend needs a CUDA GPU, but the model is on {device}: "
+            "use model.linear=standard, or model.linear_backend=reference for the slow pure-PyTorch path"
+        )
+    if variant.fp8 and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"model.linear=switchback_fp8 needs fp8 tensor cores (compute capability >= 8.9, e.g. H100/H200/L4); "
+            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}: "
+            "use model.linear=switchback_int8"
+        )
+
+
+def quantize(variant: Variant, x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return ref.quantize_fp8(x, dim) if variant.fp8 else ref.quantize_int8(x, dim)
+
+
+def low_precision_matmul(
+    variant: Variant, backend: str, qa: torch.Tensor, scale_a: torch.Tensor, qb_t: torch.Tensor,
+    scale_b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(qa @ qb_t) dequantized by scale_a ([M, 1]) · scale_b ([1, N] or scalar), plus bias."""
+    if backend == "reference":
+        matmul = ref.fp8_matmul_dequant if variant.fp8 else ref.int8_matmul_dequant
+        return matmul(qa, scale_a, qb_t, scale_b, bias, out_dtype)
+    if variant.fp8:
+        # cuBLAS fp8 wants the second operand column-major, and scales of shape [M, 1] and [1, N].
+        scale_b = scale_b.reshape(1, -1).expand(1, qb_t.shape[1]).contiguous()
+        b = qb_t.t().contiguous().t()
+        bias = None if bias is None else bias.to(out_dtype)
+        return torch._scaled_mm(qa, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    acc = torch._int_mm(qa, qb_t)
+    out = acc.float() * (scale_a * scale_b / (ref.INT8_MAX * ref.INT8_MAX))
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+class SwitchBackLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: Variant,
+                backend: str) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = quantize(variant, x2, dim=1)
+        qw, sw = quantize(variant, weight, dim=variant.weight_dim_forward)
+        out = low_precision_matmul(variant, backend, qx, sx, qw.t(), sw.reshape(1, -1), bias, x.dtype)
+        ctx.variant, ctx.backend, ctx.has_bias = variant, backend, bias is not None
+        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        ctx.save_for_backward(*((qx, sx) if variant.save_int8_input else (x2,)), weight)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        variant, backend = ctx.variant, ctx.backend
+        *saved, weight = ctx.saved_tensors
+        x2 = ref.dequantize_int8(*saved).to(ctx.x_dtype) if variant.save_int8_input else saved[0]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            qg, sg = quantize(variant, g2, dim=1)
+            qw, sw = quantize(variant, weight, dim=variant.weight_dim_backward)
+            grad_x = low_precision_matmul(variant, backend, qg, sg, qw, sw.reshape(1, -1), None, ctx.x_dtype)
+            grad_x = grad_x.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g2.t() @ x2).to(weight.dtype)  # the switch back: 16-bit (or fp32) weight gradient
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def switchback_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str, backend: str = "cuda"
+) -> torch.Tensor:
+    """`F.linear` with SwitchBack arithmetic. Under autocast the output has the autocast dtype, like F.linear."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    with torch.autocast(device, enabled=False):
+        return SwitchBackLinearFunction.apply(x, weight, bias, VARIANTS[variant], backend)

@@ -1,0 +1,66 @@
+"""Quantization and low-precision matmuls of SwitchBack in plain PyTorch: the CPU path and the ground truth
+the GPU kernels are tested against (same scales, same rounding).
+
+int8 (Wortsman et al. 2023, §2): q = round(127 · x / absmax), clamped to [-127, 127]; an int32 accumulator
+is dequantized by scale_a · scale_b / 127². Products of int8 values are summed exactly in float64 here,
+which equals int32 accumulation for any inner dimension below 2^53 / 127².
+fp8: e4m3 values with scale = absmax / 448 (e4m3's largest finite value), so that x / scale fits exactly;
+the products are summed in float32 as cuBLAS does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def absmax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Per-row (dim=1), per-column (dim=0) or whole-tensor (None) absolute maximum, as float32; a zero
+    row gets scale 1 so it quantizes to zeros instead of NaN."""
+    a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    a = a.float()
+    return torch.where(a > 0, a, torch.ones_like(a))
+
+
+def quantize_int8(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 absmax) along `dim` (1: row-wise, 0: column-wise, None: tensor-wise)."""
+    scale = absmax(x, dim)
+    q = torch.round(x.float() * (INT8_MAX / scale)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * (scale / INT8_MAX)
+
+
+def int8_matmul_dequant(
+    qa: torch.Tensor, scale_a: torch.Tensor, qb_t: torch.Tensor, scale_b: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(qa @ qb_t) · scale_a · scale_b / 127² (+ bias). qa: [M, K], qb_t: [K, N]; scale_a broadcasts over
+    rows ([M, 1] or scalar), scale_b over columns ([1, N] or scalar)."""
+    acc = qa.double() @ qb_t.double()
+    out = acc.float() * (scale_a * scale_b / (INT8_MAX * INT8_MAX))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def quantize_fp8(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 scale) with scale = absmax / 448 along `dim`."""
+    scale = absmax(x, dim) / FP8_MAX
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_matmul_dequant(
+    qa: torch.Tensor, scale_a: torch.Tensor, qb_t: torch.Tensor, scale_b: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(qa @ qb_t) · scale_a · scale_b (+ bias), products summed in float32."""
+    out = (qa.float() @ qb_t.float()) * (scale_a * scale_b)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
