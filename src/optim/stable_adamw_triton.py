@@ -134,13 +134,23 @@ def _check_layouts(params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
     # The kernels walk each tensor's memory as one flat run, the same run for p, g, v and u.
     for p, *others in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         for t in (p, *others):
-            if t.dtype != torch.float32 or not t.is_non_overlapping_and_dense() or t.stride() != p.stride():
+            if t.dtype != torch.float32 or not _is_dense(t) or t.stride() != p.stride():
                 raise ValueError(
                     "the fused StableAdamW step needs float32 params, grads and moments that are dense and "
                     f"laid out alike; got {t.dtype} with strides {t.stride()} for a param with {p.stride()}"
                 )
     if any(s.dtype != torch.float32 or s.numel() != 1 for s in steps):
         raise ValueError("the fused StableAdamW step needs float32 scalar step counts")
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Non-overlapping and without gaps: sorted by stride, the dims are those of a contiguous tensor."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda dim: dim[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -260,7 +270,7 @@ if triton is not None:
             keep = tl.max(bad) == 0
         if HAS_FOUND_INF:
             keep = keep & (tl.load(found_inf) == 0)
-        rms = tl.sqrt_rn(tl.sum(total)) / tl.sqrt_rn(tl.load(numels + tensor).to(tl.float64))
+        rms = tl.sqrt(tl.sum(total)) / tl.sqrt(tl.load(numels + tensor).to(tl.float64))  # float64: correctly rounded
         rms = tl.where(keep, rms.to(tl.float32), 0.0)
         eta = tl.where(keep, tl.div_rn(lr, tl.maximum(tl.div_rn(rms, clip_threshold), 1.0)), 0.0)
 
