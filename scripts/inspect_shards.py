@@ -47,7 +47,7 @@ def print_table(report: dict) -> None:
         return
     print("problems: " + ", ".join(f"{kind} {n}" for kind, n in report["problem_counts"].items()))
     for problem in report["problems"][:SHOWN_PROBLEMS]:
-        where = problem["shard"] + (f" key {problem['key']}" if problem["key"] else "")
+        where = (problem["shard"] or "sizes.json") + (f" key {problem['key']}" if problem["key"] else "")
         print(f"  {where}: {problem['kind']}: {problem['detail']}")
     if len(report["problems"]) > SHOWN_PROBLEMS:
         print(f"  ... and {len(report['problems']) - SHOWN_PROBLEMS} more (all of them with --json)")

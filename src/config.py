@@ -51,9 +51,20 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    shards: str = MISSING
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
-    shards: str = MISSING
+    shards: str | None = None
+    sources: list[SourceConfig] = field(default_factory=list)
+    mode: str = "epoch"
+    samples_per_epoch: int | None = None
+    max_bad_fraction: float = 0.01
+    shard_retries: int = 2
     eval_shards: str | None = None
     batch_size: int = 256
     num_workers: int = 2

@@ -1,19 +1,21 @@
 import io
 import json
 import os
+import shutil
 import tarfile
 
 import pytest
 import torch
 
-from src.config import DataConfig
+from src.config import DataConfig, SourceConfig
+from src.data import reader as reader_module
 from src.data.loader import TrainLoader, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 
 
-def data_config(shards: str, batch_size: int, num_workers: int, shuffle_buffer: int = 50) -> DataConfig:
+def data_config(shards: str | None, batch_size: int, num_workers: int, shuffle_buffer: int = 50, **kw) -> DataConfig:
     return DataConfig(name="test", shards=shards, batch_size=batch_size, num_workers=num_workers,
-                      shuffle_buffer=shuffle_buffer)
+                      shuffle_buffer=shuffle_buffer, **kw)
 
 
 def loader(shapes, batch_size=100, num_workers=2, rank=0, world_size=2, seed=0) -> TrainLoader:
@@ -113,7 +115,7 @@ def test_corrupt_image_is_skipped(tmp_path, shapes):
     cfg = data_config(str(bad), 33, 0, shuffle_buffer=1)
     batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
     batch = next(batches)
-    assert len(batch["keys"]) == 33 and batches.state_dict()["bad_samples"] == [1]
+    assert len(batch["keys"]) == 33 and batches.bad_counts() == {"corrupt_image": 1}
 
 
 def test_eval_batches_carry_labels(shapes):
@@ -141,3 +143,98 @@ def test_make_synthetic_shards_script(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/make_synthetic_shards.py", str(tmp_path / "t"), "--train", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--train must be at least 1" in bad.stderr
+
+
+def test_resampled_mode_gives_the_configured_count(shapes):
+    # 2 ranks x 2 workers, 300 samples per virtual epoch: 75 per reader, so 3 batches of 50 per rank-epoch.
+    cfg = data_config(shapes["shards"], 100, 2, mode="resampled", samples_per_epoch=300)
+    ranks = [TrainLoader(cfg, image_size=32, context_length=16, seed=0, rank=r, world_size=2) for r in range(2)]
+    keys = [k for loader in ranks for _ in range(3) for k in next(loader)["keys"]]
+    assert len(keys) == 300 and all(loader.epoch == 0 for loader in ranks)
+    assert len(set(keys)) < 300  # drawn with replacement: some samples repeat
+
+
+def test_resampled_mode_mixes_sources_by_weight(shapes):
+    first = shapes["shards"].replace("{000000..000007}", "{000000..000003}")
+    second = shapes["shards"].replace("{000000..000007}", "{000004..000007}")
+    cfg = data_config(None, 100, 0, shuffle_buffer=200, mode="resampled", samples_per_epoch=2000,
+                      sources=[SourceConfig(first, 3.0), SourceConfig(second, 1.0)])
+    loader = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    first_keys = {k for url in expand_shards(first) for k in shard_keys(url)}
+    keys = [k for _ in range(20) for k in next(loader)["keys"]]
+    share = sum(k in first_keys for k in keys) / len(keys)
+    assert 0.6 < share < 0.9  # 0.75 expected; shard-level draws make it noisy
+
+
+def shard_keys(url: str) -> list[str]:
+    with tarfile.open(url) as tar:
+        return sorted({m.name.split(".")[0] for m in tar.getmembers()})
+
+
+def test_weights_need_resampled_mode(shapes):
+    cfg = data_config(None, 10, 0, sources=[SourceConfig(shapes["shards"], 2.0), SourceConfig(shapes["shards"], 1.0)])
+    with pytest.raises(ValueError, match="use data.mode=resampled to mix sources by weight"):
+        TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+
+
+def test_resume_rereads_only_the_buffered_shards(shapes, monkeypatch):
+    cfg = data_config(shapes["shards"], 30, 0, shuffle_buffer=40)
+    first = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    for _ in range(12):  # 360 samples: deep into the epoch (800 samples in 8 shards of 100)
+        next(first)
+    state = first.state_dict()
+    expected = next(first)["keys"]
+    opened = []
+    real_gopen = reader_module.gopen
+    monkeypatch.setattr(reader_module, "gopen", lambda url: opened.append(url) or real_gopen(url))
+    resumed = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    resumed.load_state_dict(state)
+    assert next(resumed)["keys"] == expected
+    position = state["positions"][0]
+    order = shards_for_reader(expand_shards(shapes["shards"]), seed=0, epoch=0, reader=0, num_readers=1)
+    allowed = {order[i] for i in {tag[0] for tag in position["buffer"]} | {position["shard"], position["shard"] + 1}}
+    # Only the shards holding the 40 buffered samples, the one being read and the next: never the whole epoch.
+    assert position["shard"] >= 3 and set(opened) <= allowed, (opened, position["shard"])
+
+
+def rewrite_shard(src: str, dst, edit) -> None:
+    """Copy a tar, passing each member's (name, bytes) through `edit`, which may return None to drop it."""
+    with tarfile.open(src) as tin, tarfile.open(dst, "w") as tout:
+        for member in tin.getmembers():
+            kept = edit(member.name, tin.extractfile(member).read())
+            if kept is not None:
+                member.size = len(kept)
+                tout.addfile(member, io.BytesIO(kept))
+
+
+def test_bad_data_is_skipped_and_counted_by_reason(tmp_path, shapes):
+    urls = expand_shards(shapes["shards"])
+    # shard 0: two captions missing; shard 1: truncated in the middle; shard 2: deleted after start-up.
+    no_caption = ("000000000.txt", "000000001.txt")
+    rewrite_shard(urls[0], tmp_path / "a.tar", lambda n, d: None if n.endswith(no_caption) else d)
+    (tmp_path / "b.tar").write_bytes(open(urls[1], "rb").read()[:30_000])
+    shutil.copy(urls[2], tmp_path / "c.tar")
+    cfg = data_config(f"{tmp_path}/{{a,b,c}}.tar", 20, 0, shuffle_buffer=1, shard_retries=1)
+    loader = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    os.remove(tmp_path / "c.tar")
+    for _ in range(5):  # < 200 good samples in the two readable shards
+        next(loader)
+    counts = loader.bad_counts()
+    assert counts["missing_caption"] == 2 and counts["truncated_shard"] == 1 and counts["unreadable_shard"] == 1
+
+
+def test_bad_fraction_limit_fails_naming_the_shard(tmp_path, shapes):
+    url = expand_shards(shapes["shards"])[0]
+    every_fourth_image = lambda n, d: d[:10] if n.endswith(".jpg") and int(n[:9]) % 4 == 0 else d  # noqa: E731
+    rewrite_shard(url, tmp_path / "rotten.tar", every_fourth_image)
+    cfg = data_config(str(tmp_path / "rotten.tar"), 10, 0, shuffle_buffer=1)
+    loader = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    with pytest.raises(RuntimeError, match=r"above data.max_bad_fraction=0.01.*rotten.tar"):
+        for _ in range(20):
+            next(loader)
+
+
+def test_pipe_sources_are_read(shapes):
+    url = expand_shards(shapes["shards"])[0]
+    batch = next(TrainLoader(data_config(f"pipe:cat {url}", 10, 0), image_size=32, context_length=16, seed=0))
+    assert len(batch["keys"]) == 10

@@ -1,108 +1,147 @@
 """Training and evaluation loaders over image-text webdataset shards.
 
-Training is one endless stream per rank. Each reader (rank × worker) reads its share of epoch e's shards
-(see `shards_for_reader`), shuffles samples through a buffer, then moves on to epoch e + 1. Within an
-epoch every sample is read exactly once across all readers.
+Training is one endless stream per rank; each DataLoader worker is one reader (`src/data/reader.py`).
+- `data.mode=epoch`: for epoch e all ranks permute the shard list with the same seed (seed, e) and reader
+  r of R takes every R-th shard, so each sample is read exactly once per epoch across ranks and workers.
+  Readers get whole shards; when the shards do not divide evenly, some readers have more samples in an
+  epoch than others and simply start their next epoch later (steps never wait for an epoch boundary).
+- `data.mode=resampled`: each reader draws shards with replacement (weighted by source) and reads
+  `samples_per_epoch / R` samples per virtual epoch.
 
-Resume is exact. Each batch carries its reader's position (epoch, raw samples taken from the shuffle
-buffer in that epoch); the loader's state holds the last position of every reader. A resumed reader
-replays its epoch's shards up to that position without decoding images, so buffer contents, crops and
-batch order continue as if the run had never stopped. DataLoader hands out batches from workers in
-round-robin order, so a resumed loader rotates the reader roles of its workers to keep that order.
+Each batch carries its reader's exact position, and the loader's `state_dict()` holds the last one of every
+reader, so a resumed run continues with the same samples in the same order (see `reader.py` for what is
+re-read). DataLoader hands out batches round-robin over workers; a resumed loader rotates the workers'
+reader roles to keep that order.
+
+Bad data (undecodable images, missing captions, unreadable or truncated shards) is skipped and counted by
+reason; past `data.max_bad_fraction` the run stops with a message naming the worst shards.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import torch
-import webdataset as wds
 from open_clip.tokenizer import tokenize
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from src.config import DataConfig
 from src.data.image_text import decode_image, image_bytes
-from src.data.shards import expand_shards, shards_for_reader
+from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
+from src.data.shards import expand_shards, read_sizes, shards_for_reader
 
 log = logging.getLogger(__name__)
+MODES = ("epoch", "resampled")
+# Bad-data fractions are judged only after this many bad samples, so that one corrupt image at the start
+# of a run does not look like 100% bad data.
+MIN_BAD_TO_JUDGE = 10
 
 
 def read_samples(urls: list[str]) -> Iterator[dict]:
     """Raw samples (a dict of member bytes keyed by extension) from tar shards, in order."""
-    return wds.tariterators.tarfile_samples([{"url": u} for u in urls])
+    bad = BadData()
+    for url in urls:
+        yield from read_shard(url, bad, retries=0)
 
 
-def buffer_shuffle(samples: Iterator[dict], size: int, rng: random.Random) -> Iterator[dict]:
-    buffer: list[dict] = []
-    for sample in samples:
-        if len(buffer) < size:
-            buffer.append(sample)
-            continue
-        i = rng.randrange(size)
-        buffer[i], sample = sample, buffer[i]
-        yield sample
-    rng.shuffle(buffer)
-    yield from buffer
+def resolve_sources(cfg: DataConfig) -> tuple[list[list[str]], list[float]]:
+    """Shard lists and weights of `data.sources`, or of `data.shards` as a single source."""
+    if cfg.shards and cfg.sources:
+        raise ValueError("set data.shards (one source) or data.sources (several, with weights), not both")
+    if not cfg.shards and not cfg.sources:
+        raise ValueError("no training data: set data.shards='/path/{00000..00099}.tar' or data.sources")
+    if cfg.shards:
+        return [expand_shards(cfg.shards)], [1.0]
+    sources = [expand_shards(s.shards, key=f"data.sources[{i}].shards") for i, s in enumerate(cfg.sources)]
+    weights = [s.weight for s in cfg.sources]
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"data.sources weights must be positive, got {weights}")
+    if cfg.mode == "epoch" and len(set(weights)) > 1:
+        raise ValueError(
+            f"data.sources has weights {weights}, but data.mode=epoch reads every sample once per epoch: "
+            "use data.mode=resampled to mix sources by weight"
+        )
+    return sources, weights
 
 
 class TrainStream(IterableDataset):
     """Endless batches for one rank; each DataLoader worker plays one reader role."""
 
     def __init__(
-        self, shards: list[str], cfg: DataConfig, *, batch_size: int, image_size: int, context_length: int,
-        seed: int, rank: int, world_size: int, positions: list[tuple[int, int]], role_offset: int,
-        bad_samples: list[int],
+        self, sources: list[list[str]], weights: list[float], cfg: DataConfig, *, batch_size: int,
+        image_size: int, context_length: int, seed: int, rank: int, world_size: int, positions: list[dict | None],
+        role_offset: int, bad_counts: list[dict],
     ):
-        self.shards, self.cfg = shards, cfg
+        self.sources, self.weights, self.cfg = sources, weights, cfg
         self.batch_size, self.image_size, self.context_length = batch_size, image_size, context_length
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.positions, self.role_offset, self.bad_samples = positions, role_offset, bad_samples
+        self.positions, self.role_offset, self.bad_counts = positions, role_offset, bad_counts
 
-    def _epoch_samples(self, role: int, epoch: int) -> Iterator[dict]:
-        num_roles = len(self.positions)
-        urls = shards_for_reader(
-            self.shards, seed=self.seed, epoch=epoch,
-            reader=self.rank * num_roles + role, num_readers=self.world_size * num_roles,
-        )
-        rng = random.Random(f"buffer-{self.seed}-{epoch}-{self.rank}-{role}")
-        return buffer_shuffle(read_samples(urls), self.cfg.shuffle_buffer, rng)
+    def _reader(self, role: int, bad: BadData) -> Reader:
+        num_readers = self.world_size * len(self.positions)
+        reader_id = self.rank * len(self.positions) + role
+        shards = [url for source in self.sources for url in source]
+        quota = None
+        if self.cfg.mode == "resampled":
+            quota = math.ceil(self.cfg.samples_per_epoch / num_readers)
 
-    def _decode(self, sample: dict, epoch: int) -> tuple[torch.Tensor, str]:
-        rng = random.Random(f"crop-{self.seed}-{epoch}-{sample['__url__']}-{sample['__key__']}")
-        image = decode_image(image_bytes(sample), self.image_size, rng, self.cfg.crop_scale_min)
-        return image, sample["txt"].decode("utf-8")
+            def shards_of_epoch(epoch: int) -> Sequence[str]:
+                return ResampledShards(self.sources, self.weights, f"resample-{self.seed}-{epoch}-{reader_id}")
+        else:
+            def shards_of_epoch(epoch: int) -> Sequence[str]:
+                return shards_for_reader(shards, seed=self.seed, epoch=epoch, reader=reader_id,
+                                         num_readers=num_readers)
+        return Reader(shards_of_epoch, quota=quota, buffer_size=self.cfg.shuffle_buffer,
+                      rng_seed=f"buffer-{self.seed}-{reader_id}", bad=bad, retries=self.cfg.shard_retries)
+
+    def _decode(self, sample: dict, epoch: int, bad: BadData) -> tuple[torch.Tensor, str] | None:
+        url = sample["__url__"]
+        if "txt" not in sample:
+            bad.add("missing_caption", url)
+            return None
+        try:
+            data = image_bytes(sample)
+        except KeyError:
+            bad.add("missing_image", url)
+            return None
+        rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
+        try:
+            image = decode_image(data, self.image_size, rng, self.cfg.crop_scale_min)
+            return image, sample["txt"].decode("utf-8")
+        except Exception as err:  # PIL raises many types for broken files; any of them means skip this one
+            log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
+            bad.add("corrupt_image", url)
+            return None
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         role = (worker + self.role_offset) % len(self.positions)
-        epoch, done = self.positions[role]
-        images, captions, keys, bad = [], [], [], self.bad_samples[role]
-        while True:
-            samples = self._epoch_samples(role, epoch)
-            for _ in range(done):  # replay to the saved position without decoding
-                next(samples)
-            for sample in samples:
-                done += 1
-                try:
-                    image, caption = self._decode(sample, epoch)
-                except Exception as err:  # a bad sample must not stop a week-long run
-                    bad += 1
-                    log.warning("skipping sample %s in %s: %s", sample.get("__key__"), sample["__url__"], err)
-                    continue
-                images.append(image)
-                captions.append(caption)
-                keys.append(sample["__key__"])
-                if len(images) == self.batch_size:
-                    yield {
-                        "images": torch.stack(images), "tokens": tokenize(captions, self.context_length),
-                        "keys": keys, "role": role, "epoch": epoch, "done": done, "bad_samples": bad,
-                    }
-                    images, captions, keys = [], [], []
-            epoch, done = epoch + 1, 0
+        bad = BadData()
+        bad.counts.update(self.bad_counts[role].get("counts", {}))
+        bad.shards.update(self.bad_counts[role].get("shards", {}))
+        reader = self._reader(role, bad)
+        saved = self.positions[role]
+        images, captions, keys = [], [], []
+        for sample in reader.samples(Position.from_state(saved) if saved else Position()):
+            decoded = self._decode(sample, reader.epoch, bad)
+            if decoded is None:
+                continue
+            images.append(decoded[0])
+            captions.append(decoded[1])
+            keys.append(sample["__key__"])
+            if len(images) == self.batch_size:
+                yield {
+                    "images": torch.stack(images), "tokens": tokenize(captions, self.context_length), "keys": keys,
+                    "role": role, "position": reader.current_position().to_state(),
+                    "bad": {"counts": dict(bad.counts), "shards": dict(bad.shards)},
+                }
+                images, captions, keys = [], [], []
 
 
 class TrainLoader:
@@ -118,24 +157,33 @@ class TrainLoader:
                 f"data.batch_size={cfg.batch_size} is not divisible by the world size {world_size}: "
                 "the global batch is split evenly across ranks"
             )
+        if cfg.mode not in MODES:
+            raise ValueError(f"data.mode={cfg.mode!r} is not one of {', '.join(MODES)}")
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.shards = expand_shards(cfg.shards)
+        self.sources, self.weights = resolve_sources(cfg)
         num_roles = max(1, cfg.num_workers)
-        shards_for_reader(self.shards, seed=seed, epoch=0, reader=0, num_readers=world_size * num_roles)
+        shards = [url for source in self.sources for url in source]
+        self.sizes = read_sizes(shards)
+        if cfg.mode == "resampled" and cfg.samples_per_epoch is None:
+            if self.sizes is None:
+                raise ValueError("data.mode=resampled needs data.samples_per_epoch (no sizes.json beside the shards)")
+            cfg.samples_per_epoch = sum(self.sizes.values())
+        if cfg.mode == "epoch":
+            shards_for_reader(shards, seed=seed, epoch=0, reader=0, num_readers=world_size * num_roles)
         self.kwargs = dict(
             batch_size=cfg.batch_size // world_size, image_size=image_size, context_length=context_length,
             seed=seed, rank=rank, world_size=world_size,
         )
         self.pin_memory = pin_memory
-        self.positions = [(0, 0)] * num_roles
+        self.positions: list[dict | None] = [None] * num_roles
+        self.bad: list[dict] = [{} for _ in range(num_roles)]
         self.batches = 0
-        self.bad_samples = [0] * num_roles
         self._iterator: Iterator[dict] | None = None
 
     def _start(self) -> Iterator[dict]:
         stream = TrainStream(
-            self.shards, self.cfg, positions=list(self.positions),
-            role_offset=self.batches % len(self.positions), bad_samples=list(self.bad_samples), **self.kwargs,
+            self.sources, self.weights, self.cfg, positions=list(self.positions),
+            role_offset=self.batches % len(self.positions), bad_counts=list(self.bad), **self.kwargs,
         )
         workers = self.cfg.num_workers
         # Its own generator: otherwise starting the workers draws from the global RNG, and a resumed run
@@ -153,35 +201,62 @@ class TrainLoader:
         if self._iterator is None:
             self._iterator = self._start()
         batch = next(self._iterator)
-        self.positions[batch["role"]] = (batch["epoch"], batch["done"])
-        self.bad_samples[batch["role"]] = batch["bad_samples"]
+        self.positions[batch["role"]] = batch["position"]
+        self.bad[batch["role"]] = batch["bad"]
         self.batches += 1
+        self._check_bad_fraction()
         return batch
+
+    def bad_counts(self) -> dict[str, int]:
+        """Skipped data of this rank so far, by reason."""
+        total: Counter[str] = Counter()
+        for role in self.bad:
+            total.update(role.get("counts", {}))
+        return dict(total)
+
+    def _check_bad_fraction(self) -> None:
+        bad = sum(n for reason, n in self.bad_counts().items() if not reason.endswith("_shard"))
+        seen = bad + self.batches * self.kwargs["batch_size"]
+        if bad >= MIN_BAD_TO_JUDGE and bad / seen > self.cfg.max_bad_fraction:
+            shards: Counter[str] = Counter()
+            for role in self.bad:
+                shards.update(role.get("shards", {}))
+            worst = ", ".join(f"{url} ({n})" for url, n in shards.most_common(5))
+            raise RuntimeError(
+                f"{bad} of {seen} samples ({bad / seen:.1%}) were bad, above data.max_bad_fraction="
+                f"{self.cfg.max_bad_fraction}: {self.bad_counts()}. Worst shards: {worst}. "
+                "Check them with scripts/inspect_shards.py, or raise data.max_bad_fraction."
+            )
 
     @property
     def epoch(self) -> int:
-        return min(epoch for epoch, _ in self.positions)
+        return min((p["epoch"] if p else 0) for p in self.positions)
 
     def state_dict(self) -> dict:
-        return {
-            "positions": [list(p) for p in self.positions], "batches": self.batches,
-            "bad_samples": list(self.bad_samples), "world_size": self.world_size,
-        }
+        return {"positions": list(self.positions), "batches": self.batches, "bad": list(self.bad),
+                "world_size": self.world_size, "mode": self.cfg.mode}
 
     def load_state_dict(self, state: dict) -> None:
         if self._iterator is not None:
             raise RuntimeError("load the loader state before iterating")
         saved_roles, saved_world = len(state["positions"]), state["world_size"]
         if (saved_roles, saved_world) != (len(self.positions), self.world_size):
+            if self.cfg.mode == "resampled":
+                # Draws with replacement have no "rest of the epoch" to protect: start fresh draws, keep counts.
+                log.warning("data position saved for world size %d x %d workers; this run has %d x %d: "
+                            "resampled mode starts new draws", saved_world, saved_roles, self.world_size,
+                            len(self.positions))
+                self.batches = state["batches"]
+                return
             raise ValueError(
                 f"the checkpoint's data position is for world size {saved_world} with "
                 f"data.num_workers={saved_roles}, but this run has world size {self.world_size} with "
                 f"data.num_workers={len(self.positions)}: resume with the same world size and "
-                "data.num_workers to continue the epoch exactly"
+                "data.num_workers to continue the epoch exactly, or use data.mode=resampled"
             )
-        self.positions = [tuple(p) for p in state["positions"]]
+        self.positions = list(state["positions"])
         self.batches = state["batches"]
-        self.bad_samples = list(state["bad_samples"])
+        self.bad = list(state["bad"])
 
 
 class EvalStream(IterableDataset):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import webdataset as wds
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 from webdataset.tariterators import base_plus_ext
 
@@ -31,7 +31,7 @@ from src.data.shards import read_sizes
 MAX_SHARD_SIZE = 10_000
 MAX_SHARDS = 100_000
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
-# The loader's choice (src.data.image_text.IMAGE_EXTENSIONS), repeated here because that module imports torch.
+# The loader's list (src.data.image_text.IMAGE_EXTENSIONS), repeated: importing it loads open_clip (~3 s).
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 FAILURE_KINDS = ("failed_to_read", "failed_to_decode", "failed_no_caption")
 
@@ -132,6 +132,13 @@ def read_captions(file: str, path_column: str = "path", caption_column: str = "c
 # ----------------------------------------------------------------------------------------------- images
 
 
+def image_error(err: Exception) -> str:
+    # PIL's message for an unknown format names an object's address, which would vary from run to run.
+    if isinstance(err, UnidentifiedImageError):
+        return "UnidentifiedImageError: not an image format PIL can read"
+    return f"{type(err).__name__}: {err}"
+
+
 def jpeg_ready(img: Image.Image) -> Image.Image:
     """An L or RGB image, which JPEG can hold. Transparency is flattened onto white (the colour under fully
     transparent pixels is often black and would show); 16-bit greyscale is scaled to 8 bits, not clipped."""
@@ -181,7 +188,7 @@ def pack_row(key: str, row: Row, images_dir: str, max_size: int | None, quality:
     try:
         image, extension, sizes = encode_image(data, max_size, quality)
     except Exception as err:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
-        raise SampleError("failed_to_decode", f"{type(err).__name__}: {err}") from err
+        raise SampleError("failed_to_decode", image_error(err)) from err
     # Our fields win over extra columns of the same name: the loader and inspect_shards rely on them.
     meta = {**row.extra, "key": key, "caption": row.caption, **sizes, "source_path": row.path}
     return {
@@ -215,7 +222,8 @@ def write_shard(
                 sink.write(pack_row(key, row, images_dir, max_size, quality))
             except SampleError as err:
                 kinds[err.kind] += 1
-                failures.append({"key": key, "source_path": row.path, "location": row.location, "reason": str(err)})
+                failures.append({"key": key, "source_path": row.path, "location": row.location, "kind": err.kind,
+                                 "reason": str(err)})
     os.replace(path + ".tmp", path)
     stats = {"count": len(rows), "successes": len(rows) - len(failures), **{k: kinds[k] for k in FAILURE_KINDS}}
     write_atomic(path.removesuffix(".tar") + "_stats.json", json.dumps(stats, indent=1))
@@ -303,7 +311,7 @@ def check_sample(sample: dict, report: ShardReport) -> None:
             with Image.open(io.BytesIO(sample[extension])) as img:
                 img.load()
         except Exception as err:  # PIL raises many types for bad data
-            report.problem("corrupt_image", f".{extension}: {type(err).__name__}: {err}", key)
+            report.problem("corrupt_image", f".{extension}: {image_error(err)}", key)
     if "txt" not in sample:
         report.problem("missing_caption", "no .txt member", key)
     else:
@@ -381,17 +389,25 @@ def inspect_shard(path: str) -> ShardReport:
     return report
 
 
-def expected_counts(shards: list[str]) -> tuple[dict[str, int] | None, dict[str, int | None]]:
-    """Sample counts the writer recorded: sizes.json (when it covers every shard) and each `_stats.json`."""
-    stats: dict[str, int | None] = {}
+def expected_counts(shards: list[str]) -> tuple[dict[str, int] | None, dict[str, int | None], list[dict]]:
+    """Sample counts the writer recorded: sizes.json (when it covers every shard) and each `_stats.json`,
+    plus problems for such files that exist but cannot be read."""
+    problems = []
+    stats: dict[str, int | None] = {shard: None for shard in shards}
     for shard in shards:
         path = re.sub(r"\.tar$", "", shard) + "_stats.json"
-        try:
-            with open(path) as f:
-                stats[shard] = int(json.load(f)["successes"])
-        except (OSError, ValueError, KeyError, TypeError):
-            stats[shard] = None
-    return read_sizes(shards), stats
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    stats[shard] = int(json.load(f)["successes"])
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                problems.append({"shard": shard, "key": None, "kind": "bad_stats_json", "detail": f"{path}: {err!r}"})
+    try:
+        sizes = read_sizes(shards)
+    except (OSError, ValueError, AttributeError) as err:
+        sizes = None
+        problems.append({"shard": None, "key": None, "kind": "bad_sizes_json", "detail": repr(err)})
+    return sizes, stats, problems
 
 
 def describe(values: np.ndarray) -> dict | None:
@@ -406,8 +422,8 @@ def inspect_shards(shards: list[str], workers: int = 1) -> dict:
     problem was found (corrupt or missing members, unreadable tars, counts that disagree with the writer's)."""
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(shards)))) as pool:
         reports = list(tqdm(pool.map(inspect_shard, shards), total=len(shards), unit="shard", desc="inspecting"))
-    sizes, stats = expected_counts(shards)
-    per_shard, problems, extensions = [], [], Counter()
+    sizes, stats, problems = expected_counts(shards)
+    per_shard, extensions = [], Counter()
     for report in reports:
         expected = {"sizes.json": sizes[report.shard] if sizes else None, "_stats.json": stats[report.shard]}
         for source, count in expected.items():
@@ -417,8 +433,8 @@ def inspect_shards(shards: list[str], workers: int = 1) -> dict:
                           "problems": len(report.problems), "unreadable": report.unreadable})
         problems += report.problems
         extensions.update(report.extensions)
-    chars = np.concatenate([np.asarray(r.caption_chars, dtype=np.int64) for r in reports])
-    words = np.concatenate([np.asarray(r.caption_words, dtype=np.int64) for r in reports])
+    chars = np.concatenate([np.asarray(r.caption_chars, dtype=np.int32) for r in reports])
+    words = np.concatenate([np.asarray(r.caption_words, dtype=np.int32) for r in reports])
     return {
         "shards": len(shards), "samples": sum(r.samples for r in reports), "clean": not problems,
         "extensions": dict(sorted(extensions.items())),

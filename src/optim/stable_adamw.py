@@ -14,6 +14,11 @@ bias correction folded into beta):
 `step()` also takes the fixed fp16 loss scale (`grad_scale`), can skip tensors whose gradient is
 non-finite (`skip_nonfinite`, §3.6 of the paper) and can skip the whole step (`found_inf`), all
 without a host sync: skips are device-side 0/1 masks and step counts are device tensors.
+
+Three implementations compute the same update: a per-tensor loop, `torch._foreach_*` ops per (device,
+dtype) bucket, and fused Triton kernels (stable_adamw_triton.py) for float32 CUDA buckets. The foreach
+path launches a few kernels per tensor and is launch-bound on the GPU; the fused one launches three per
+bucket.
 """
 
 import math
@@ -25,13 +30,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from src.optim.stable_adamw_triton import fused_stable_adamw_step, triton_available
+
 
 class StableAdamW(Optimizer):
     """StableAdamW (see the module docstring for the update).
 
     After every `step()` these tensors are set for logging; reading them is the only sync:
       last_rms      1-D float32, the RMS of each parameter that had a gradient, in param_groups order
-                    and then parameter order (a group that mixes devices or dtypes under foreach is
+                    and then parameter order (a group that mixes devices or dtypes under foreach or fused is
                     listed bucket by bucket). Params whose `grad is None` are left out and a skipped
                     tensor reports 0. `rms_by_param()` pairs the entries with their parameters.
       last_skipped  0-dim int64, how many tensors skipped their update (all of them under found_inf).
@@ -50,9 +57,13 @@ class StableAdamW(Optimizer):
         weight_decay: float = 0.2,
         clip_threshold: float = 1.0,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
-        # None means "pick for me"; the multi-tensor path is right for every device we run on.
-        foreach = True if foreach is None else foreach
+        """foreach and fused left at None pick for you: the fused Triton step for float32 CUDA params when triton
+        is installed, else foreach. foreach=True or False asks for that path; fused=True requires float32 CUDA
+        params and triton, and raises ValueError otherwise."""
+        if fused and foreach:
+            raise ValueError("StableAdamW: fused=True and foreach=True are exclusive; pass one of them")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -60,6 +71,7 @@ class StableAdamW(Optimizer):
             weight_decay=weight_decay,
             clip_threshold=clip_threshold,
             foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)
         self.last_rms: Tensor | None = None
@@ -70,6 +82,15 @@ class StableAdamW(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         _check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["fused"]:
+            for p in group["params"]:
+                _check_fusable(p.device, p.dtype)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("fused", None)  # state dicts from before the fused path existed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -110,17 +131,19 @@ class StableAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        step_ok = None if found_inf is None else found_inf == 0
-        kwargs = dict(grad_scale=grad_scale, skip_nonfinite=skip_nonfinite, step_ok=step_ok)
+        kwargs = dict(grad_scale=grad_scale, skip_nonfinite=skip_nonfinite, found_inf=found_inf)
         rms, clipped, skipped, rms_params = [], [], [], []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 self._init_state(p)
-            if group["foreach"]:
+            if group["foreach"] is not False or group["fused"]:
                 chunks = _by_device_and_dtype(params)
                 results = [
-                    _multi_tensor_update(c, [self.state[p] for p in c], group, **kwargs) for c in chunks
+                    (_fused_update if _use_fused(group, c[0]) else _multi_tensor_update)(
+                        c, [self.state[p] for p in c], group, **kwargs
+                    )
+                    for c in chunks
                 ]
             else:
                 chunks = [[p] for p in params]
@@ -157,14 +180,14 @@ def _single_tensor_update(
     *,
     grad_scale: float | Tensor | None,
     skip_nonfinite: bool,
-    step_ok: Tensor | None,
+    found_inf: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     """Update one tensor; returns its RMS (0-dim float32) and whether it updated (0-dim bool, or None)."""
     v, u, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     g = p.grad if grad_scale is None else p.grad / grad_scale
 
-    keep = step_ok
+    keep = None if found_inf is None else found_inf == 0
     if skip_nonfinite:
         finite = g.isfinite().all()
         keep = finite if keep is None else keep & finite
@@ -194,7 +217,7 @@ def _multi_tensor_update(
     *,
     grad_scale: float | Tensor | None,
     skip_nonfinite: bool,
-    step_ok: Tensor | None,
+    found_inf: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     """The same update for tensors of one device and dtype, with `_foreach_*` ops.
 
@@ -213,7 +236,8 @@ def _multi_tensor_update(
     if skip_nonfinite:
         # The max-norm is finite exactly when every element is; a 2-norm could overflow.
         keep = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
-    if step_ok is not None:
+    if found_inf is not None:
+        step_ok = found_inf == 0
         keep = step_ok.expand(len(params)) if keep is None else keep & step_ok
     if keep is not None:
         grads = [torch.where(k, g, 0) for k, g in zip(keep.unbind(), grads, strict=True)]
@@ -241,6 +265,55 @@ def _multi_tensor_update(
     torch._foreach_addcdiv_(params, exp_avgs, denom)
     torch._foreach_add_(steps, 1 if keep is None else keep.float().unbind())
     return rms, keep
+
+
+def _fused_update(
+    params: list[Tensor],
+    states: list[dict[str, Tensor]],
+    group: dict[str, Any],
+    *,
+    grad_scale: float | Tensor | None,
+    skip_nonfinite: bool,
+    found_inf: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The same update for float32 CUDA tensors of one device, in three Triton kernel launches."""
+    beta1, beta2 = group["betas"]
+    return fused_stable_adamw_step(
+        params,
+        [p.grad for p in params],
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [s["step"] for s in states],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        clip_threshold=group["clip_threshold"],
+        grad_scale=grad_scale,
+        skip_nonfinite=skip_nonfinite,
+        found_inf=found_inf,
+    )
+
+
+def _use_fused(group: dict[str, Any], p: Tensor) -> bool:
+    """Whether the bucket of `p` (its device and dtype) takes the fused path."""
+    if group["fused"] is None:
+        # An explicit foreach=True asks for the foreach path.
+        return group["foreach"] is None and p.is_cuda and p.dtype == torch.float32 and triton_available()
+    if group["fused"]:
+        _check_fusable(p.device, p.dtype)  # a state dict saved on the GPU can be loaded elsewhere
+    return group["fused"]
+
+
+def _check_fusable(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type != "cuda" or dtype != torch.float32:
+        raise ValueError(
+            f"StableAdamW(fused=True) needs float32 CUDA parameters, got {dtype} on {device}: "
+            "pass fused=None (the default) or fused=False to use the foreach path"
+        )
+    if not triton_available():
+        raise ValueError("StableAdamW(fused=True) needs triton (pip install triton); or pass fused=None/False")
 
 
 def _gradient_weights(t: Tensor, betas: tuple[float, float], keep: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ parameter, moments and step count are left bit for bit. Everything stays on the 
 """
 
 import functools
+import itertools
 import math
 
 import torch
@@ -73,7 +74,7 @@ def fused_stable_adamw_step(
             raise ValueError(f"{name} must be on {device}, like the parameters, not on {t.device}")
 
     n = len(params)
-    work, first, numels = _work_plan(device, tuple(p.numel() for p in params), _CHUNK)
+    work, first, numels = _work_plan(device, tuple(map(Tensor.numel, params)), _CHUNK)
     table, aligned = _address_table(device, (params, grads, exp_avgs, exp_avg_sqs, steps))
     programs = work.shape[1]
     partial = torch.empty(programs, dtype=torch.float32, device=device)
@@ -83,21 +84,28 @@ def fused_stable_adamw_step(
     keep = torch.empty(n, dtype=torch.bool, device=device)
 
     scale_mode = 0 if grad_scale is None else 2 if isinstance(grad_scale, Tensor) else 1
-    scale_ptr = grad_scale if scale_mode == 2 else partial  # an unused pointer argument still needs a tensor
-    scale = float(grad_scale) if scale_mode == 1 else 1.0
-    stream = dict(BLOCK=_BLOCK, CHUNK=_CHUNK, ALIGNED=aligned, SCALE_MODE=scale_mode, num_warps=_NUM_WARPS)
-
-    _rms_pass[(programs,)](
-        work, numels, table, n, programs, scale_ptr, scale, partial, flags, eps,
-        BETA2=beta2, CHECK_FINITE=skip_nonfinite, **stream,
-    )  # fmt: skip
+    streaming = dict(
+        work=work,
+        numels=numels,
+        table=table,
+        n=n,
+        programs=programs,
+        scale_ptr=grad_scale if scale_mode == 2 else partial,  # an unused pointer argument still needs a tensor
+        scale=float(grad_scale) if scale_mode == 1 else 1.0,
+        eps=eps,
+        BLOCK=_BLOCK,
+        CHUNK=_CHUNK,
+        ALIGNED=aligned,
+        SCALE_MODE=scale_mode,
+        num_warps=_NUM_WARPS,
+    )
+    _rms_pass[(programs,)](partial=partial, flags=flags, BETA2=beta2, CHECK_FINITE=skip_nonfinite, **streaming)
     _finalize[(n,)](
-        first, numels, table, n, partial, flags, found_inf if found_inf is not None else partial,
-        rms, keep, coef, lr, weight_decay, clip_threshold,
-        BETA1=beta1, BETA2=beta2, CHECK_FINITE=skip_nonfinite, HAS_FOUND_INF=found_inf is not None,
-        BLOCK=_REDUCE_BLOCK, num_warps=2,
+        first, numels, table, n, partial, flags, partial if found_inf is None else found_inf, rms, keep, coef,
+        lr, weight_decay, clip_threshold, BETA1=beta1, BETA2=beta2, CHECK_FINITE=skip_nonfinite,
+        HAS_FOUND_INF=found_inf is not None, BLOCK=_REDUCE_BLOCK, num_warps=2,
     )  # fmt: skip
-    _update_pass[(programs,)](work, numels, table, n, programs, scale_ptr, scale, keep, coef, eps, **stream)
+    _update_pass[(programs,)](keep=keep, coef=coef, **streaming)
     return rms, keep if skip_nonfinite or found_inf is not None else None
 
 
@@ -118,7 +126,7 @@ _address_tables: dict[tuple, tuple[Tensor, bool]] = {}
 def _address_table(device: torch.device, lists: tuple[list[Tensor], ...]) -> tuple[Tensor, bool]:
     """Addresses [5, n] of params, grads, exp_avgs, exp_avg_sqs and steps, and whether the first four
     are all 16-byte aligned (then the kernels may use vector loads)."""
-    addresses = tuple(t.data_ptr() for ts in lists for t in ts)
+    addresses = tuple(map(Tensor.data_ptr, itertools.chain(*lists)))  # map: this runs every step
     key = (device, addresses)
     if key not in _address_tables:
         _check_layouts(*lists)
@@ -211,8 +219,21 @@ if triton is not None:
         return g
 
     @triton.jit
-    def _rms_tile(table, n, tensor, off, end, scale_ptr, scale, w2, eps,
-                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    def _rms_tile(
+        table,
+        n,
+        tensor,
+        off,
+        end,
+        scale_ptr,
+        scale,
+        w2,
+        eps,
+        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        SCALE_MODE: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
         idx = off + tl.arange(0, BLOCK)
         g = _load(_tile_ptrs(table, 1, n, tensor, idx, BLOCK, ALIGNED), idx, end, MASKED)
         g = _scaled(g, scale_ptr, scale, SCALE_MODE)
@@ -223,9 +244,24 @@ if triton is not None:
         return x * x, bad
 
     @triton.jit
-    def _rms_pass(work, numels, table, n, programs, scale_ptr, scale, partial, flags, eps,
-                  BETA2: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr):  # fmt: skip
+    def _rms_pass(
+        work,
+        numels,
+        table,
+        n,
+        programs,
+        scale_ptr,
+        scale,
+        partial,
+        flags,
+        eps,
+        BETA2: tl.constexpr,
+        CHECK_FINITE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        SCALE_MODE: tl.constexpr,
+    ):
         """Per program: the sum of g²/max(u_new, ε²) over its chunk, and whether any g was non-finite."""
         pid = tl.program_id(0)
         tensor = tl.load(work + pid)
@@ -250,9 +286,26 @@ if triton is not None:
             tl.store(flags + pid, tl.max(bad.to(tl.int8)))
 
     @triton.jit
-    def _finalize(first, numels, table, n, partial, flags, found_inf, rms_out, keep_out, coef,
-                  lr, weight_decay, clip_threshold, BETA1: tl.constexpr, BETA2: tl.constexpr,
-                  CHECK_FINITE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def _finalize(
+        first,
+        numels,
+        table,
+        n,
+        partial,
+        flags,
+        found_inf,
+        rms_out,
+        keep_out,
+        coef,
+        lr,
+        weight_decay,
+        clip_threshold,
+        BETA1: tl.constexpr,
+        BETA2: tl.constexpr,
+        CHECK_FINITE: tl.constexpr,
+        HAS_FOUND_INF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Per tensor: RMS, keep, the weights and step size for pass 2, and the step count update."""
         tensor = tl.program_id(0)
         lo = tl.load(first + tensor)
@@ -285,8 +338,24 @@ if triton is not None:
         tl.store(step_ptr, step + keep.to(tl.float32))
 
     @triton.jit
-    def _update_tile(table, n, tensor, off, end, scale_ptr, scale, w1, w2, neg_eta, decay, eps,
-                     BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    def _update_tile(
+        table,
+        n,
+        tensor,
+        off,
+        end,
+        scale_ptr,
+        scale,
+        w1,
+        w2,
+        neg_eta,
+        decay,
+        eps,
+        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        SCALE_MODE: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
         idx = off + tl.arange(0, BLOCK)
         p_ptrs = _tile_ptrs(table, 0, n, tensor, idx, BLOCK, ALIGNED)
         v_ptrs = _tile_ptrs(table, 2, n, tensor, idx, BLOCK, ALIGNED)
@@ -302,8 +371,22 @@ if triton is not None:
         _store(p_ptrs, p, idx, end, MASKED)
 
     @triton.jit
-    def _update_pass(work, numels, table, n, programs, scale_ptr, scale, keep, coef, eps,
-                     BLOCK: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr):  # fmt: skip
+    def _update_pass(
+        work,
+        numels,
+        table,
+        n,
+        programs,
+        scale_ptr,
+        scale,
+        keep,
+        coef,
+        eps,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        SCALE_MODE: tl.constexpr,
+    ):
         """Per program: v, u and θ over its chunk, unless its tensor is skipped."""
         pid = tl.program_id(0)
         tensor = tl.load(work + pid)
@@ -316,8 +399,40 @@ if triton is not None:
             decay = tl.load(coef + 3 * n + tensor)
             full = start + (end - start) // BLOCK * BLOCK
             for off in range(start, full, BLOCK):
-                _update_tile(table, n, tensor, off, end, scale_ptr, scale, w1, w2, neg_eta, decay, eps,
-                             BLOCK, ALIGNED, SCALE_MODE, False)  # fmt: skip
+                _update_tile(
+                    table,
+                    n,
+                    tensor,
+                    off,
+                    end,
+                    scale_ptr,
+                    scale,
+                    w1,
+                    w2,
+                    neg_eta,
+                    decay,
+                    eps,
+                    BLOCK,
+                    ALIGNED,
+                    SCALE_MODE,
+                    False,
+                )
             if full < end:
-                _update_tile(table, n, tensor, full, end, scale_ptr, scale, w1, w2, neg_eta, decay, eps,
-                             BLOCK, ALIGNED, SCALE_MODE, True)  # fmt: skip
+                _update_tile(
+                    table,
+                    n,
+                    tensor,
+                    full,
+                    end,
+                    scale_ptr,
+                    scale,
+                    w1,
+                    w2,
+                    neg_eta,
+                    decay,
+                    eps,
+                    BLOCK,
+                    ALIGNED,
+                    SCALE_MODE,
+                    True,
+                )

@@ -1,0 +1,165 @@
+"""One reader's endless, resumable stream of raw samples: shard after shard, through a shuffle buffer.
+
+A reader is one (rank, DataLoader worker). For each epoch it gets a sequence of shards (its share of the
+epoch's permutation in epoch mode, weighted draws with replacement in resampled mode), reads them in
+order and shuffles samples through a buffer. Its `Position` says exactly where it is: the shard being
+read and how many of its samples were read, which samples (shard, index) sit in the buffer, and the
+buffer's RNG state. A position can be saved at any batch boundary. Resuming from it re-reads only the
+shards that hold buffered samples plus the current one (a few shards, not the epoch), and then continues
+exactly as the uninterrupted run would have: same samples, same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from webdataset import gopen
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
+log = logging.getLogger(__name__)
+
+Tag = tuple[int, int]  # (shard index in the epoch's sequence, sample index within that shard)
+
+
+@dataclass
+class Position:
+    epoch: int = 0
+    shard: int = 0
+    offset: int = 0
+    taken: int = 0  # samples read this epoch (resampled mode stops at its quota)
+    buffer: list[Tag] = field(default_factory=list)
+    rng: tuple | None = None
+    draining: bool = False
+
+    def to_state(self) -> dict:
+        return {"epoch": self.epoch, "shard": self.shard, "offset": self.offset, "taken": self.taken,
+                "buffer": [list(t) for t in self.buffer], "rng": self.rng, "draining": self.draining}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Position:
+        rng = state["rng"]
+        rng = (rng[0], tuple(rng[1]), rng[2]) if rng is not None else None  # JSON/pickle turn tuples into lists
+        return cls(state["epoch"], state["shard"], state["offset"], state["taken"],
+                   [tuple(t) for t in state["buffer"]], rng, state["draining"])
+
+
+class BadData:
+    """Counts of skipped data by reason, and the shards where it happened (for the error message)."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+        self.shards: Counter[str] = Counter()
+
+    def add(self, reason: str, shard: str) -> None:
+        self.counts[reason] += 1
+        self.shards[shard] += 1
+
+
+def read_shard(url: str, bad: BadData, retries: int, retry_wait_s: float = 1.0) -> Iterator[dict]:
+    """Samples of one tar (local path or `pipe:` command). A shard that cannot be opened is retried, then
+    skipped; one that breaks midway (truncated, garbage) ends early. Both are counted, never fatal here."""
+    for attempt in range(retries + 1):
+        try:
+            stream = gopen(url)
+            break
+        except Exception as err:
+            if attempt == retries:
+                log.warning("skipping shard %s: cannot open it after %d attempts (%s)", url, retries + 1, err)
+                bad.add("unreadable_shard", url)
+                return
+            time.sleep(retry_wait_s)
+    try:
+        yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+    except Exception as err:
+        log.warning("shard %s ends early: %s", url, err)
+        bad.add("truncated_shard", url)
+    finally:
+        stream.close()
+
+
+class Reader:
+    def __init__(
+        self, shards_of_epoch: Callable[[int], Sequence[str]], *, quota: int | None, buffer_size: int,
+        rng_seed: str, bad: BadData, retries: int,
+    ):
+        self.shards_of_epoch, self.quota, self.buffer_size = shards_of_epoch, quota, buffer_size
+        self.rng_seed, self.bad, self.retries = rng_seed, bad, retries
+        self._live: tuple = ()
+
+    def _refill(self, urls: Sequence[str], tags: list[Tag]) -> list[tuple[Tag, dict]]:
+        """Re-read the buffered samples of a saved position, shard by shard, in their buffer order."""
+        wanted: dict[int, set[int]] = {}
+        for shard, index in tags:
+            wanted.setdefault(shard, set()).add(index)
+        found: dict[Tag, dict] = {}
+        for shard, indices in wanted.items():
+            for index, sample in enumerate(read_shard(urls[shard], self.bad, self.retries)):
+                if index in indices:
+                    found[(shard, index)] = sample
+        return [(t, found[t]) for t in tags if t in found]
+
+    @property
+    def epoch(self) -> int:
+        return self._live[0]
+
+    def current_position(self) -> Position:
+        """Where the stream stands right after the sample it yielded last (built on demand: it copies the
+        buffer's tags, too slow to do for every sample)."""
+        epoch, shard, offset, taken, buffer, rng, draining = self._live
+        return Position(epoch, shard, offset, taken, [t for t, _ in buffer], rng.getstate(), draining)
+
+    def samples(self, start: Position) -> Iterator[dict]:
+        """Endless samples from `start`."""
+        pos = start
+        while True:
+            urls = self.shards_of_epoch(pos.epoch)
+            rng = random.Random(f"{self.rng_seed}-{pos.epoch}")
+            if pos.rng is not None:
+                rng.setstate(pos.rng)
+            buffer = self._refill(urls, pos.buffer) if pos.buffer else []
+            shard, offset, taken = pos.shard, pos.offset, pos.taken
+            if not pos.draining:
+                while shard < len(urls) and (self.quota is None or taken < self.quota):
+                    for index, sample in enumerate(read_shard(urls[shard], self.bad, self.retries)):
+                        if index < offset:
+                            continue
+                        offset, taken = index + 1, taken + 1
+                        item = ((shard, index), sample)
+                        if len(buffer) < self.buffer_size:
+                            buffer.append(item)
+                        else:
+                            slot = rng.randrange(self.buffer_size)
+                            buffer[slot], item = item, buffer[slot]
+                            self._live = (pos.epoch, shard, offset, taken, buffer, rng, False)
+                            yield item[1]
+                        if self.quota is not None and taken >= self.quota:
+                            break
+                    else:
+                        shard, offset = shard + 1, 0
+                rng.shuffle(buffer)  # drained from the end: popping there is O(1)
+            while buffer:
+                _, sample = buffer.pop()
+                self._live = (pos.epoch, shard, offset, taken, buffer, rng, True)
+                yield sample
+            pos = Position(epoch=pos.epoch + 1)
+
+
+class ResampledShards(Sequence[str]):
+    """Shards drawn with replacement, by source weight then uniformly within the source. Indexable, so a
+    resumed reader finds shard k of an epoch without replaying the draws before it."""
+
+    def __init__(self, sources: list[list[str]], weights: list[float], seed: str):
+        self.sources, self.weights, self.seed = sources, weights, seed
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, k: int) -> str:  # type: ignore[override]
+        rng = random.Random(f"{self.seed}-{k}")
+        source = rng.choices(self.sources, weights=self.weights)[0]
+        return source[rng.randrange(len(source))]
