@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from src.data.shard_writer import inspect_shards
+from src.data.shard_inspect import inspect_shards
 from src.data.shards import expand_shards, is_local
 
 SHOWN_PROBLEMS = 50

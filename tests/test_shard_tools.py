@@ -16,7 +16,8 @@ from PIL import Image
 
 from src.config import DataConfig
 from src.data.loader import TrainLoader
-from src.data.shard_writer import InputError, encode_image, inspect_shards, make_shards, read_captions
+from src.data.shard_inspect import inspect_shards
+from src.data.shard_writer import InputError, encode_image, make_shards, read_captions
 from src.data.shards import expand_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+from src.data.shards import IMAGE_EXTENSIONS
 
 
 def image_bytes(sample: dict) -> bytes:

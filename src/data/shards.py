@@ -8,6 +8,8 @@ import random
 
 from webdataset.shardlists import expand_urls
 
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image members a sample may have, in order of preference
+
 
 def is_local(url: str) -> bool:
     return not url.startswith("pipe:") and "://" not in url
