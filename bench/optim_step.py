@@ -53,6 +53,9 @@ def optimizers(device: torch.device, model: str) -> dict[str, tuple[Callable, di
         "AdamW foreach": (lambda ps: torch.optim.AdamW(ps, **HP, foreach=True), {}),
         "AdamW fused": (lambda ps: torch.optim.AdamW(ps, **HP, fused=True), {}),
     }
+    if device.type == "cuda":  # the Triton kernels run on CUDA only
+        candidates["StableAdamW fused"] = (lambda ps: StableAdamW(ps, **HP, fused=True), {})
+        candidates["StableAdamW fused fp16 skips"] = (lambda ps: StableAdamW(ps, **HP, fused=True), fp16)
     if device.type == "cpu" and model == "vit_b32":  # the per-tensor loop is slow: only where it is cheap
         candidates["StableAdamW loop"] = (lambda ps: StableAdamW(ps, **HP, foreach=False), {})
     try:

@@ -67,7 +67,7 @@ class DataConfig:
     shard_retries: int = 2
     eval_shards: str | None = None
     batch_size: int = 256
-    num_workers: int = 2
+    num_workers: int | None = None
     shuffle_buffer: int = 1000
     crop_scale_min: float = 0.9
     generate: bool = False

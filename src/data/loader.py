@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -40,6 +41,13 @@ MODES = ("epoch", "resampled")
 # Bad-data fractions are judged only after this many bad samples, so that one corrupt image at the start
 # of a run does not look like 100% bad data.
 MIN_BAD_TO_JUDGE = 10
+
+
+def default_num_workers() -> int:
+    """Loader processes per rank when data.num_workers is null: the CPUs of this node shared among its ranks,
+    one left for each training process, at most 8."""
+    per_rank = (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, per_rank - 1))
 
 
 def read_samples(urls: list[str]) -> Iterator[dict]:

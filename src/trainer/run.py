@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from src.config import ModelConfig, TrainConfig
+from src.data.loader import default_num_workers
 from src.data.synthetic_shapes import make_synthetic_shapes
 from src.models.clip import build_model, count_parameters
 from src.trainer.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
@@ -58,6 +59,8 @@ def run(dict_cfg: DictConfig) -> None:
         dry_run(OmegaConf.to_object(dict_cfg.model))
         return
     cfg = resolve(dict_cfg)
+    if cfg.data.num_workers is None:
+        cfg.data.num_workers = default_num_workers()
     dist_info = init_distributed(cfg.trainer.device)
     try:
         run_dir = HydraConfig.get().runtime.output_dir if dist_info.is_main else None
