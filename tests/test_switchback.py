@@ -151,3 +151,13 @@ def test_convert_works_on_any_model():
     convert_to_switchback(model, "switchback_int8_vectorwise", backend="reference")
     assert isinstance(model[0], SwitchBackLinear) and model[0].weight is weight
     assert model(torch.randn(5, 8)).shape == (5, 4)
+
+
+def test_int8_sums_stay_exact_for_wide_layers():
+    """Beyond 1040 inputs float32 could round the int32-equivalent sum; the reference switches to float64."""
+    torch.manual_seed(1)
+    x, w = torch.randn(8, 4096), torch.randn(16, 4096)
+    (qx, sx), (qw, sw) = q8(x.double(), 1), q8(w.double(), None)
+    want = (qx @ qw.T) * sx * sw / 127**2
+    got = switchback_linear(x, w, None, "switchback_int8", backend="reference")
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)

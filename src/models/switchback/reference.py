@@ -2,8 +2,8 @@
 the GPU kernels are tested against (same scales, same rounding).
 
 int8 (Wortsman et al. 2023, §2): q = round(127 · x / absmax), clamped to [-127, 127]; an int32 accumulator
-is dequantized by scale_a · scale_b / 127². Products of int8 values are summed exactly in float64 here,
-which equals int32 accumulation for any inner dimension below 2^53 / 127².
+is dequantized by scale_a · scale_b / 127². Products of int8 values are summed exactly here (in float32 for
+inner dimensions up to 1040, else float64), which equals int32 accumulation.
 fp8: e4m3 values with scale = absmax / 448 (e4m3's largest finite value), so that x / scale fits exactly;
 the products are summed in float32 as cuBLAS does.
 """
@@ -42,7 +42,9 @@ def int8_matmul_dequant(
 ) -> torch.Tensor:
     """(qa @ qb_t) · scale_a · scale_b / 127² (+ bias). qa: [M, K], qb_t: [K, N]; scale_a broadcasts over
     rows ([M, 1] or scalar), scale_b over columns ([1, N] or scalar)."""
-    acc = qa.double() @ qb_t.double()
+    # float32 sums of int8 products are exact while every partial sum stays below 2^24; beyond, use float64.
+    exact = torch.float32 if qa.shape[1] * INT8_MAX * INT8_MAX < 2**24 else torch.float64
+    acc = qa.to(exact) @ qb_t.to(exact)
     out = acc.float() * (scale_a * scale_b / (INT8_MAX * INT8_MAX))
     if bias is not None:
         out = out + bias.float()
