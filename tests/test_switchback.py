@@ -12,9 +12,11 @@ INT8 = ["switchback_int8", "switchback_int8_memeff", "switchback_int8_vectorwise
 
 
 def q8(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
-    """The paper's int8 quantizer written out in float64: round(127 · x / absmax)."""
+    """The paper's int8 quantizer, round(127 · x / absmax), evaluated in float32 as the kernels do (so ties
+    round the same way), returned as float64."""
+    x = x.float()
     a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    return torch.round(127 * x / a), a
+    return torch.round(x * (127 / a)).double(), a.double()
 
 
 def qfp8(x: torch.Tensor, dim) -> torch.Tensor:
