@@ -290,3 +290,24 @@ def test_inspect_finds_truncated_shards_and_corrupt_images(cli_packed, tmp_path)
 def test_inspect_pattern_matching_nothing_exits_2(tmp_path):
     result = run_script("inspect_shards.py", f"{tmp_path}/{{00000..00003}}.tar")
     assert result.returncode == 2 and "matched no files" in result.stderr
+
+
+def test_photo_shards_every_sample_once_per_epoch_across_2_ranks_x_2_workers(cli_packed):
+    """Shards of real photographs made by make_shards.py, uneven (3 rows each, some rows failed): readers get
+    different sample counts, and each still reads every sample of its shards exactly once per epoch."""
+    pattern = pattern_of(cli_packed[0])
+    expected = {k for url in expand_shards(pattern) for k in shard_sample_keys(url)}
+    seen: dict[int, list[str]] = {}
+    for rank in range(2):
+        cfg = DataConfig(name="t", shards=pattern, batch_size=2, num_workers=2, shuffle_buffer=2)
+        loader = TrainLoader(cfg, image_size=32, context_length=16, seed=0, rank=rank, world_size=2)
+        for _ in range(3 * len(expected)):  # batch 1 per rank: the batch's position is its sample's epoch
+            batch = next(loader)
+            seen.setdefault(batch["position"]["epoch"], []).extend(batch["keys"])
+    for epoch in (0, 1):
+        assert sorted(seen[epoch]) == sorted(expected), epoch
+
+
+def shard_sample_keys(url: str) -> set[str]:
+    with tarfile.open(url) as tar:
+        return {m.name.split(".")[0] for m in tar.getmembers() if m.name.endswith(".txt")}
