@@ -174,9 +174,11 @@ class Trainer:
         names = list(pending[0][2])
         values = torch.stack([torch.stack([v[n].float() for n in names]) for _, _, v in pending])
         values[:, names.index("loss")] = all_reduce_mean(values[:, names.index("loss")])
+        bad_data = self.loader.bad_counts()  # this rank's, cumulative
         for (step, lr, _), row in zip(pending, values.tolist()):
             record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
             record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
+            record.update({f"data/bad/{reason}": n for reason, n in bad_data.items()})
             if self.dist.is_main and self.cfg.spikes.enabled:
                 record.update(self.detect_spikes(step, record))
             self.metrics.log(step, record)
