@@ -120,7 +120,7 @@ def test_skipped_tensors_are_left_bit_for_bit(fused_on_cpu):
 def test_rms_is_exactly_one_on_the_first_step(fused_on_cpu):
     params = make_params([(5000,), (3, 7), (1,)])  # 5000 elements: 105 programs, one partial sum each
     opt = StableAdamW(params)
-    set_grads(params, [torch.randn(p.shape) for p in params])
+    set_grads(params, [torch.empty(p.shape).uniform_(0.5, 2.0) for p in params])  # |g| > ε: else g²/ε² < 1
     opt.step()
     assert opt.last_rms.tolist() == [1.0, 1.0, 1.0]
     assert opt.last_clipped.item() == 0

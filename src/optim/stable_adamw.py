@@ -22,7 +22,6 @@ bucket.
 """
 
 import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -135,19 +134,17 @@ class StableAdamW(Optimizer):
         rms, clipped, skipped, rms_params = [], [], [], []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                self._init_state(p)
+            states = [self._init_state(p) for p in params]
             if group["foreach"] is not False or group["fused"]:
-                chunks = _by_device_and_dtype(params)
+                buckets = _by_device_and_dtype(params, states)
                 results = [
-                    (_fused_update if _use_fused(group, c[0]) else _multi_tensor_update)(
-                        c, [self.state[p] for p in c], group, **kwargs
-                    )
-                    for c in chunks
+                    (_fused_update if _use_fused(group, ps[0]) else _multi_tensor_update)(ps, ss, group, **kwargs)
+                    for ps, ss in buckets
                 ]
+                chunks = [ps for ps, _ in buckets]
             else:
                 chunks = [[p] for p in params]
-                results = [_single_tensor_update(p, self.state[p], group, **kwargs) for p in params]
+                results = [_single_tensor_update(p, s, group, **kwargs) for p, s in zip(params, states, strict=True)]
             for chunk, (chunk_rms, keep) in zip(chunks, results, strict=True):
                 rms.append(chunk_rms.view(-1))
                 clipped.append((chunk_rms > group["clip_threshold"]).sum())
@@ -162,7 +159,7 @@ class StableAdamW(Optimizer):
         self.last_skipped = _total(skipped, device)
         return loss
 
-    def _init_state(self, p: Tensor) -> None:
+    def _init_state(self, p: Tensor) -> dict[str, Tensor]:
         if p.grad.is_sparse:
             raise RuntimeError("StableAdamW does not support sparse gradients")
         state = self.state[p]
@@ -171,6 +168,7 @@ class StableAdamW(Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
 
 
 def _single_tensor_update(
@@ -324,12 +322,14 @@ def _gradient_weights(t: Tensor, betas: tuple[float, float], keep: Tensor | None
     return (w1, w2) if keep is None else (w1 * keep, w2 * keep)
 
 
-def _by_device_and_dtype(params: list[Tensor]) -> list[list[Tensor]]:
-    """Foreach ops need one device and dtype per call; order is kept within each bucket."""
-    buckets = defaultdict(list)
-    for p in params:
-        buckets[(p.device, p.dtype)].append(p)
-    return list(buckets.values())
+def _by_device_and_dtype(
+    params: list[Tensor], states: list[dict[str, Tensor]]
+) -> list[tuple[list[Tensor], list[dict[str, Tensor]]]]:
+    """Foreach ops and the fused kernels need one device and dtype per call; order is kept within each bucket."""
+    # torch's grouping runs in C++: a Python loop over the params would cost more host time than the fused
+    # step spends launching its kernels.
+    grouped = Optimizer._group_tensors_by_device_and_dtype([params], with_indices=True)
+    return [(bucket, [states[i] for i in indices]) for (bucket,), indices in grouped.values()]
 
 
 def _total(counts: list[Tensor], device: torch.device) -> Tensor:

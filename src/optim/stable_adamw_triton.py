@@ -76,8 +76,7 @@ def fused_stable_adamw_step(
             raise ValueError(f"{name} must be on {device}, like the parameters, not on {t.device}")
 
     n = len(params)
-    work, first, numels = _work_plan(device, tuple(map(Tensor.numel, params)), _CHUNK)
-    table, aligned = _address_table(device, (params, grads, exp_avgs, exp_avg_sqs, steps))
+    table, aligned, (work, first, numels) = _tables(device, (params, grads, exp_avgs, exp_avg_sqs, steps))
     programs = work.shape[1]
     partial = torch.empty(programs, dtype=torch.float32, device=device)
     flags = torch.empty(programs, dtype=torch.int8, device=device) if skip_nonfinite else partial
@@ -101,13 +100,15 @@ def fused_stable_adamw_step(
         SCALE_MODE=scale_mode,
         num_warps=_NUM_WARPS,
     )
-    _rms_pass[(programs,)](partial=partial, flags=flags, BETA2=beta2, CHECK_FINITE=skip_nonfinite, **streaming)
+    if programs:  # only when the bucket holds nothing but empty tensors is there no chunk to stream
+        _rms_pass[(programs,)](partial=partial, flags=flags, BETA2=beta2, CHECK_FINITE=skip_nonfinite, **streaming)
     _finalize[(n,)](
         first, numels, table, n, partial, flags, partial if found_inf is None else found_inf, rms, keep, coef,
         lr, weight_decay, clip_threshold, BETA1=beta1, BETA2=beta2, CHECK_FINITE=skip_nonfinite,
         HAS_FOUND_INF=found_inf is not None, BLOCK=_REDUCE_BLOCK, num_warps=2,
     )  # fmt: skip
-    _update_pass[(programs,)](keep=keep, coef=coef, **streaming)
+    if programs:
+        _update_pass[(programs,)](keep=keep, coef=coef, **streaming)
     return rms, keep if skip_nonfinite or found_inf is not None else None
 
 
@@ -122,22 +123,25 @@ def _work_plan(device: torch.device, numels: tuple[int, ...], chunk: int) -> tup
     return _to_device(work.int(), device), _to_device(first.int(), device), _to_device(torch.tensor(numels), device)
 
 
-_address_tables: dict[tuple, tuple[Tensor, bool]] = {}
+_Tables = tuple[Tensor, bool, tuple[Tensor, Tensor, Tensor]]
+_tables_cache: dict[tuple, _Tables] = {}
 
 
-def _address_table(device: torch.device, lists: tuple[list[Tensor], ...]) -> tuple[Tensor, bool]:
-    """Addresses [5, n] of params, grads, exp_avgs, exp_avg_sqs and steps, and whether the first four
-    are all 16-byte aligned (then the kernels may use vector loads)."""
-    addresses = tuple(map(Tensor.data_ptr, itertools.chain(*lists)))  # map: this runs every step
-    key = (device, addresses)
-    if key not in _address_tables:
+def _tables(device: torch.device, lists: tuple[list[Tensor], ...]) -> _Tables:
+    """The addresses [5, n] of params, grads, exp_avgs, exp_avg_sqs and steps; whether the first four are all
+    16-byte aligned (then the kernels may use vector loads); and the work plan for the params' sizes."""
+    # The step's host time before the first launch is exposed on an idle GPU: this lookup is all it does
+    # per tensor here, with map() rather than a Python loop.
+    key = (device, _CHUNK, tuple(map(Tensor.data_ptr, itertools.chain(*lists))))
+    if key not in _tables_cache:
         _check_layouts(*lists)
-        if len(_address_tables) >= _CACHE_SIZE:
-            _address_tables.pop(next(iter(_address_tables)))
-        table = torch.tensor(addresses, dtype=torch.int64).view(len(lists), -1)
+        if len(_tables_cache) >= _CACHE_SIZE:
+            _tables_cache.pop(next(iter(_tables_cache)))
+        table = torch.tensor(key[2], dtype=torch.int64).view(len(lists), -1)
         aligned = bool((table[:4] % 16 == 0).all())
-        _address_tables[key] = (_to_device(table, device), aligned)
-    return _address_tables[key]
+        plan = _work_plan(device, tuple(p.numel() for p in lists[0]), _CHUNK)
+        _tables_cache[key] = (_to_device(table, device), aligned, plan)
+    return _tables_cache[key]
 
 
 def _check_layouts(params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
@@ -169,6 +173,8 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 if triton is not None:
+    # Kernels take many scalars: one line per argument, as the formatter wants, would bury the arithmetic.
+    # fmt: off
 
     @triton.jit
     def _gradient_weight(t, BETA: tl.constexpr):
@@ -221,66 +227,36 @@ if triton is not None:
         return g
 
     @triton.jit
-    def _rms_tile(
-        table,
-        n,
-        tensor,
-        off,
-        end,
-        scale_ptr,
-        scale,
-        w2,
-        eps,
-        BLOCK: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        SCALE_MODE: tl.constexpr,
-        MASKED: tl.constexpr,
-    ):
+    def _rms_tile(table, n, tensor, off, end, scale_ptr, scale, w2, eps,
+                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, MASKED: tl.constexpr):
         idx = off + tl.arange(0, BLOCK)
         g = _load(_tile_ptrs(table, 1, n, tensor, idx, BLOCK, ALIGNED), idx, end, MASKED)
         g = _scaled(g, scale_ptr, scale, SCALE_MODE)
         u = _lerp(_load(_tile_ptrs(table, 3, n, tensor, idx, BLOCK, ALIGNED), idx, end, MASKED), g * g, w2)
         # As the foreach path: (g / max(√u, ε))², which is g²/max(u, ε²) without squaring ε.
         x = tl.div_rn(g, tl.maximum(tl.sqrt_rn(u), eps))
-        bad = (g != g) | (tl.abs(g) == float("inf"))
-        return x * x, bad
+        return x * x, (g != g) | (tl.abs(g) == float("inf"))
 
     @triton.jit
-    def _rms_pass(
-        work,
-        numels,
-        table,
-        n,
-        programs,
-        scale_ptr,
-        scale,
-        partial,
-        flags,
-        eps,
-        BETA2: tl.constexpr,
-        CHECK_FINITE: tl.constexpr,
-        BLOCK: tl.constexpr,
-        CHUNK: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        SCALE_MODE: tl.constexpr,
-    ):
+    def _rms_pass(work, numels, table, n, programs, scale_ptr, scale, partial, flags, eps,
+                  BETA2: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                  ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr):
         """Per program: the sum of g²/max(u_new, ε²) over its chunk, and whether any g was non-finite."""
         pid = tl.program_id(0)
         tensor = tl.load(work + pid)
         start = tl.load(work + programs + pid).to(tl.int64) * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(numels + tensor))
-        step = tl.load(tl.load(table + 4 * n + tensor).to(tl.pointer_type(tl.float32)))
-        w2 = _gradient_weight(step + 1.0, BETA2)
-
+        w2 = _gradient_weight(tl.load(tl.load(table + 4 * n + tensor).to(tl.pointer_type(tl.float32))) + 1.0, BETA2)
+        args = (table, n, tensor)
         acc = tl.zeros((BLOCK,), tl.float32)
         bad = tl.zeros((BLOCK,), tl.int1)
         full = start + (end - start) // BLOCK * BLOCK
         for off in range(start, full, BLOCK):
-            x, b = _rms_tile(table, n, tensor, off, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, False)
+            x, b = _rms_tile(*args, off, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, False)
             acc += x
             bad |= b
         if full < end:
-            x, b = _rms_tile(table, n, tensor, full, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, True)
+            x, b = _rms_tile(*args, full, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, True)
             acc += x
             bad |= b
         tl.store(partial + pid, tl.sum(acc))
@@ -288,26 +264,9 @@ if triton is not None:
             tl.store(flags + pid, tl.max(bad.to(tl.int8)))
 
     @triton.jit
-    def _finalize(
-        first,
-        numels,
-        table,
-        n,
-        partial,
-        flags,
-        found_inf,
-        rms_out,
-        keep_out,
-        coef,
-        lr,
-        weight_decay,
-        clip_threshold,
-        BETA1: tl.constexpr,
-        BETA2: tl.constexpr,
-        CHECK_FINITE: tl.constexpr,
-        HAS_FOUND_INF: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
+    def _finalize(first, numels, table, n, partial, flags, found_inf, rms_out, keep_out, coef,
+                  lr, weight_decay, clip_threshold, BETA1: tl.constexpr, BETA2: tl.constexpr,
+                  CHECK_FINITE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
         """Per tensor: RMS, keep, the weights and step size for pass 2, and the step count update."""
         tensor = tl.program_id(0)
         lo = tl.load(first + tensor)
@@ -325,7 +284,8 @@ if triton is not None:
             keep = tl.max(bad) == 0
         if HAS_FOUND_INF:
             keep = keep & (tl.load(found_inf) == 0)
-        rms = tl.sqrt(tl.sum(total)) / tl.sqrt(tl.load(numels + tensor).to(tl.float64))  # float64: correctly rounded
+        # float64 sqrt and division are correctly rounded (float32 tl.sqrt is not).
+        rms = tl.sqrt(tl.sum(total)) / tl.sqrt(tl.load(numels + tensor).to(tl.float64))
         rms = tl.where(keep, rms.to(tl.float32), 0.0)
         eta = tl.where(keep, tl.div_rn(lr, tl.maximum(tl.div_rn(rms, clip_threshold), 1.0)), 0.0)
 
@@ -340,24 +300,8 @@ if triton is not None:
         tl.store(step_ptr, step + keep.to(tl.float32))
 
     @triton.jit
-    def _update_tile(
-        table,
-        n,
-        tensor,
-        off,
-        end,
-        scale_ptr,
-        scale,
-        w1,
-        w2,
-        neg_eta,
-        decay,
-        eps,
-        BLOCK: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        SCALE_MODE: tl.constexpr,
-        MASKED: tl.constexpr,
-    ):
+    def _update_tile(table, n, tensor, off, end, scale_ptr, scale, w1, w2, neg_eta, decay, eps,
+                     BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, MASKED: tl.constexpr):
         idx = off + tl.arange(0, BLOCK)
         p_ptrs = _tile_ptrs(table, 0, n, tensor, idx, BLOCK, ALIGNED)
         v_ptrs = _tile_ptrs(table, 2, n, tensor, idx, BLOCK, ALIGNED)
@@ -373,68 +317,20 @@ if triton is not None:
         _store(p_ptrs, p, idx, end, MASKED)
 
     @triton.jit
-    def _update_pass(
-        work,
-        numels,
-        table,
-        n,
-        programs,
-        scale_ptr,
-        scale,
-        keep,
-        coef,
-        eps,
-        BLOCK: tl.constexpr,
-        CHUNK: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        SCALE_MODE: tl.constexpr,
-    ):
+    def _update_pass(work, numels, table, n, programs, scale_ptr, scale, keep, coef, eps,
+                     BLOCK: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr):
         """Per program: v, u and θ over its chunk, unless its tensor is skipped."""
         pid = tl.program_id(0)
         tensor = tl.load(work + pid)
         if tl.load(keep + tensor):
             start = tl.load(work + programs + pid).to(tl.int64) * CHUNK
             end = tl.minimum(start + CHUNK, tl.load(numels + tensor))
-            w1 = tl.load(coef + tensor)
-            w2 = tl.load(coef + n + tensor)
-            neg_eta = tl.load(coef + 2 * n + tensor)
-            decay = tl.load(coef + 3 * n + tensor)
+            scalars = (tl.load(coef + tensor), tl.load(coef + n + tensor),  # w1, w2
+                       tl.load(coef + 2 * n + tensor), tl.load(coef + 3 * n + tensor), eps)  # −η, 1 − η·λ
             full = start + (end - start) // BLOCK * BLOCK
             for off in range(start, full, BLOCK):
-                _update_tile(
-                    table,
-                    n,
-                    tensor,
-                    off,
-                    end,
-                    scale_ptr,
-                    scale,
-                    w1,
-                    w2,
-                    neg_eta,
-                    decay,
-                    eps,
-                    BLOCK,
-                    ALIGNED,
-                    SCALE_MODE,
-                    False,
-                )
+                _update_tile(table, n, tensor, off, end, scale_ptr, scale, *scalars, BLOCK, ALIGNED, SCALE_MODE, False)
             if full < end:
-                _update_tile(
-                    table,
-                    n,
-                    tensor,
-                    full,
-                    end,
-                    scale_ptr,
-                    scale,
-                    w1,
-                    w2,
-                    neg_eta,
-                    decay,
-                    eps,
-                    BLOCK,
-                    ALIGNED,
-                    SCALE_MODE,
-                    True,
-                )
+                _update_tile(table, n, tensor, full, end, scale_ptr, scale, *scalars, BLOCK, ALIGNED, SCALE_MODE, True)
+
+    # fmt: on
