@@ -169,6 +169,14 @@ def test_default_and_explicit_paths_on_cpu(monkeypatch):
     assert stable_adamw._use_fused({"fused": False, "foreach": None}, fake_cuda) is False
 
 
+def test_a_group_without_gradients_is_left_alone():
+    a, b = make_params([(3,), (2,)])
+    opt = StableAdamW([{"params": [a]}, {"params": [b]}])
+    a.grad = torch.ones(3)
+    opt.step()
+    assert opt.last_rms.shape == (1,) and b not in opt.state
+
+
 def test_state_dict_from_before_the_fused_option_loads():
     params = make_params()
     opt = StableAdamW(params, foreach=True)

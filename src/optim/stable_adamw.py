@@ -328,6 +328,8 @@ def _by_device_and_dtype(
     """Foreach ops and the fused kernels need one device and dtype per call; order is kept within each bucket."""
     # torch's grouping runs in C++: a Python loop over the params would cost more host time than the fused
     # step spends launching its kernels.
+    if not params:  # a group without gradients; torch's grouping refuses empty lists
+        return []
     grouped = Optimizer._group_tensors_by_device_and_dtype([params], with_indices=True)
     return [(bucket, [states[i] for i in indices]) for (bucket,), indices in grouped.values()]
 

@@ -74,13 +74,14 @@ def low_precision_matmul(
     if backend == "reference":
         matmul = ref.fp8_matmul_dequant if variant.fp8 else ref.int8_matmul_dequant
         return matmul(qa, scale_a, qb_t, scale_b, bias, out_dtype)
+    # cuBLAS wants the second operand column-major (free when it is a transposed row-major weight).
+    b = qb_t.t().contiguous().t()
     if variant.fp8:
-        # cuBLAS fp8 wants the second operand column-major, and scales of shape [M, 1] and [1, N].
-        scale_b = scale_b.reshape(1, -1).expand(1, qb_t.shape[1]).contiguous()
-        b = qb_t.t().contiguous().t()
+        # Row-wise fp8 scaling takes scales of shape [M, 1] and [1, N].
+        scale_b = scale_b.reshape(1, -1).expand(1, b.shape[1]).contiguous()
         bias = None if bias is None else bias.to(out_dtype)
         return torch._scaled_mm(qa, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
-    acc = torch._int_mm(qa, qb_t)
+    acc = torch._int_mm(qa, b)
     out = acc.float() * (scale_a * scale_b / (ref.INT8_MAX * ref.INT8_MAX))
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
