@@ -238,3 +238,24 @@ def test_pipe_sources_are_read(shapes):
     url = expand_shards(shapes["shards"])[0]
     batch = next(TrainLoader(data_config(f"pipe:cat {url}", 10, 0), image_size=32, context_length=16, seed=0))
     assert len(batch["keys"]) == 10
+
+
+def test_sizes_fall_back_to_img2dataset_stats(tmp_path, shapes):
+    urls = expand_shards(shapes["shards"])[:2]
+    for url in urls:
+        shutil.copy(url, tmp_path / os.path.basename(url))
+        (tmp_path / os.path.basename(url).replace(".tar", "_stats.json")).write_text('{"successes": 100}')
+    copies = [str(tmp_path / os.path.basename(u)) for u in urls]
+    assert read_sizes(copies) == {c: 100 for c in copies}
+    os.remove(tmp_path / os.path.basename(urls[1]).replace(".tar", "_stats.json"))
+    assert read_sizes(copies) is None
+
+
+def test_resampled_mode_resumes_with_another_worker_count(shapes):
+    cfg = data_config(shapes["shards"], 20, 2, mode="resampled", samples_per_epoch=400)
+    first = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    next(first)
+    other = TrainLoader(data_config(shapes["shards"], 20, 1, mode="resampled", samples_per_epoch=400),
+                        image_size=32, context_length=16, seed=0)
+    other.load_state_dict(first.state_dict())  # new draws, no error
+    assert other.batches == 1 and len(next(other)["keys"]) == 20

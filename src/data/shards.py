@@ -45,15 +45,27 @@ def shards_for_reader(
     return order[reader::num_readers]
 
 
+def stats_count(shard: str) -> int | None:
+    """img2dataset's per-shard count: `successes` in `{shard without .tar}_stats.json`."""
+    path = shard.removesuffix(".tar") + "_stats.json"
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("successes")
+
+
 def read_sizes(shards: list[str]) -> dict[str, int] | None:
-    """Sample counts from the `sizes.json` beside local shards ({shard file name: count}), if present."""
+    """Sample count of every local shard, from the `sizes.json` beside it ({shard file name: count}) or else
+    img2dataset's `_stats.json`; None when any shard's count is unknown."""
     sizes: dict[str, int] = {}
     for directory in sorted({os.path.dirname(s) for s in shards if is_local(s)}):
         path = os.path.join(directory, "sizes.json")
-        if not os.path.isfile(path):
-            return None
-        with open(path) as f:
-            sizes.update({os.path.join(directory, name): n for name, n in json.load(f).items()})
+        if os.path.isfile(path):
+            with open(path) as f:
+                sizes.update({os.path.join(directory, name): n for name, n in json.load(f).items()})
+    for shard in shards:
+        if shard not in sizes and is_local(shard) and (count := stats_count(shard)) is not None:
+            sizes[shard] = count
     if not all(s in sizes for s in shards):
         return None
     return {s: sizes[s] for s in shards}
