@@ -9,7 +9,6 @@ config.yaml (for spikes.rms_threshold and optim.name). Several runs overlay, one
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from src.config import SpikesConfig
+from src.jsonl import JsonlError, iter_jsonl
 
 DEFAULT_RMS_THRESHOLD = SpikesConfig().rms_threshold
 LOSS, RMS, LR, SCALE = "train/loss", "optim/rms/patch_embed", "train/lr", "scaler/scale"
@@ -58,19 +58,10 @@ def _is_number(value: Any) -> bool:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RunError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from e
-            if not isinstance(row, dict):
-                raise RunError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+    try:
+        return [row for _, row in iter_jsonl(path)]
+    except JsonlError as err:
+        raise RunError(str(err)) from err
 
 
 def _lookup(config: Any, dotted: str) -> Any:

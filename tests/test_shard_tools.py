@@ -206,7 +206,7 @@ def test_jpeg_reencoding_converts_modes():
     ("c.csv", "path,text\na.jpg,hi\n", r"line 1 \(header\) has no column 'caption'"),
     ("c.tsv", "path\tcaption\n", "no captions"),
     ("c.jsonl", '{"path": "a.jpg", "caption": "x"}\n{"path": "b.jpg"}\n', "line 2 has no column 'caption'"),
-    ("c.jsonl", '{"path": "a.jpg", "caption": "x"}\n{"path": \n', "line 2 is not JSON"),
+    ("c.jsonl", '{"path": "a.jpg", "caption": "x"}\n{"path": \n', "c.jsonl:2: malformed JSON line"),
     ("c.txt", "a.jpg hi\n", "unknown captions format"),
     ("c.csv", None, "cannot read captions"),
 ])

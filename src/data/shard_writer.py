@@ -24,6 +24,8 @@ import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from src.jsonl import JsonlError, iter_jsonl
+
 MAX_SHARD_SIZE = 10_000
 MAX_SHARDS = 100_000
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -70,18 +72,12 @@ def _delimited_records(file: str, columns: tuple[str, ...], delimiter: str) -> I
 
 
 def _jsonl_records(file: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
-    with open(file, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{file}: line {number} is not JSON: {err}") from err
-            if not isinstance(record, dict):
-                raise InputError(f"{file}: line {number} is not a JSON object")
+    try:
+        for number, record in iter_jsonl(file):
             _check_columns(file, f"line {number}", list(record), columns)
             yield f"line {number}", record
+    except JsonlError as err:
+        raise InputError(str(err)) from err
 
 
 def _parquet_records(file: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict]]:

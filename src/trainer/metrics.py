@@ -11,6 +11,7 @@ import secrets
 from tqdm import tqdm
 
 from src.config import LoggerConfig
+from src.jsonl import iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +20,10 @@ def truncate_jsonl(path: str, after_step: int) -> None:
     """Drop lines logged after `after_step`: a resumed run logs those steps again, exactly once."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line).get("step", -1) <= after_step]
+    kept = [record for _, record in iter_jsonl(path) if record.get("step", -1) <= after_step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.writelines(lines)
+        f.writelines(json.dumps(record) + "\n" for record in kept)
     os.replace(tmp, path)
 
 
