@@ -49,8 +49,8 @@ def layer_step(x, w, b, g, variant):
 def quantize_all(v, x, w, g):
     """The four quantizations of one layer's training step (X and G row-wise, W twice)."""
     def run():
-        quantize(v, x, 1), quantize(v, g, 1), quantize(v, w, v.weight_dim_forward)
-        quantize(v, w, v.weight_dim_backward)
+        quantize(v, x, 1, "cuda"), quantize(v, g, 1, "cuda"), quantize(v, w, v.weight_dim_forward, "cuda")
+        quantize(v, w, v.weight_dim_backward, "cuda")
     return run
 
 

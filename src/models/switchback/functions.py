@@ -10,12 +10,14 @@ Variants (Wortsman et al. 2023):
 - `switchback_fp8`: e4m3 operands, X and G row-wise, W tensor-wise (Hopper: compute capability ≥ 8.9).
 
 Backends: `reference` runs the matmuls in plain PyTorch on any device (exact int8 sums in float64);
-`cuda` runs them on the GPU's integer / fp8 tensor cores (`torch._int_mm`, `torch._scaled_mm`). Both share
-the quantizers of `reference.py`, so they agree up to float32 summation order.
+`cuda` runs them on the GPU's integer / fp8 tensor cores (`torch._int_mm`, `torch._scaled_mm`), with the
+quantizers of `reference.py` compiled into fused kernels. Both apply the same arithmetic, so they agree up to
+float32 summation order.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +64,24 @@ def check_backend(variant: Variant, backend: str, device: torch.device) -> None:
         )
 
 
-def quantize(variant: Variant, x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return ref.quantize_fp8(x, dim) if variant.fp8 else ref.quantize_int8(x, dim)
+@functools.cache
+def fused(fn):
+    """`fn` compiled by TorchInductor into fused Triton kernels: the absmax reduction, scaling, rounding and
+    cast of a quantizer become one pass over the tensor instead of one kernel (and one round trip through
+    memory) per op, which is what made unfused quantization slower than the bf16 layer."""
+    # One compiled variant per (dim, dtype) pair a layer uses: up to a dozen, beyond Dynamo's default limit of 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def quantize(variant: Variant, x: torch.Tensor, dim: int | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = ref.quantize_fp8 if variant.fp8 else ref.quantize_int8
+    return (fused(fn) if backend == "cuda" else fn)(x, dim)
+
+
+def int8_dequantize(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
+    out = acc.float() * (scale / (ref.INT8_MAX * ref.INT8_MAX))
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def low_precision_matmul(
@@ -81,9 +99,7 @@ def low_precision_matmul(
         scale_b = scale_b.reshape(1, -1).expand(1, b.shape[1]).contiguous()
         bias = None if bias is None else bias.to(out_dtype)
         return torch._scaled_mm(qa, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
-    acc = torch._int_mm(qa, b)
-    out = acc.float() * (scale_a * scale_b / (ref.INT8_MAX * ref.INT8_MAX))
-    return (out if bias is None else out + bias.float()).to(out_dtype)
+    return fused(int8_dequantize)(torch._int_mm(qa, b), scale_a * scale_b, bias, out_dtype)
 
 
 class SwitchBackLinearFunction(torch.autograd.Function):
@@ -91,30 +107,36 @@ class SwitchBackLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: Variant,
                 backend: str) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        qx, sx = quantize(variant, x2, dim=1)
-        qw, sw = quantize(variant, weight, dim=variant.weight_dim_forward)
+        qx, sx = quantize(variant, x2, 1, backend)
+        qw, sw = quantize(variant, weight, variant.weight_dim_forward, backend)
         out = low_precision_matmul(variant, backend, qx, sx, qw.t(), sw.reshape(1, -1), bias, x.dtype)
         ctx.variant, ctx.backend, ctx.has_bias = variant, backend, bias is not None
-        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
-        ctx.save_for_backward(*((qx, sx) if variant.save_int8_input else (x2,)), weight)
+        ctx.x_dtype, ctx.x_shape, ctx.weight_dtype = x.dtype, x.shape, weight.dtype
+        # Where backward scales W the same way, its quantized copy (1 byte per weight) is reused there.
+        reuse = variant.weight_dim_backward == variant.weight_dim_forward
+        ctx.save_for_backward(*((qx, sx) if variant.save_int8_input else (x2,)), *((qw, sw) if reuse else (weight,)))
+        ctx.reuse_weight = reuse
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         variant, backend = ctx.variant, ctx.backend
-        *saved, weight = ctx.saved_tensors
-        x2 = ref.dequantize_int8(*saved).to(ctx.x_dtype) if variant.save_int8_input else saved[0]
+        saved = list(ctx.saved_tensors)
+        if variant.save_int8_input:
+            x2 = ref.dequantize_int8(saved.pop(0), saved.pop(0)).to(ctx.x_dtype)
+        else:
+            x2 = saved.pop(0)
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            qg, sg = quantize(variant, g2, dim=1)
-            qw, sw = quantize(variant, weight, dim=variant.weight_dim_backward)
+            qg, sg = quantize(variant, g2, 1, backend)
+            qw, sw = saved if ctx.reuse_weight else quantize(variant, saved[0], variant.weight_dim_backward, backend)
             grad_x = low_precision_matmul(variant, backend, qg, sg, qw, sw.reshape(1, -1), None, ctx.x_dtype)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = (g2.t() @ x2).to(weight.dtype)  # the switch back: 16-bit (or fp32) weight gradient
+            grad_w = (g2.t() @ x2).to(ctx.weight_dtype)  # the switch back: 16-bit (or fp32) weight gradient
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(weight.dtype)
+            grad_b = g2.sum(0).to(ctx.weight_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
