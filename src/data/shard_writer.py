@@ -10,12 +10,13 @@ in the keys instead of shifting the samples after it.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from src.jsonl import JsonlError, iter_jsonl
 
+Packer = Callable[[str, "Row"], dict]  # (key, row) -> webdataset sample; raises SampleError to skip the row
 MAX_SHARD_SIZE = 10_000
 MAX_SHARDS = 100_000
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -164,7 +166,7 @@ def encode_image(data: bytes, max_size: int | None = None, quality: int = 95) ->
     return buffer.getvalue(), "jpg", {"width": image.width, "height": image.height, **original}
 
 
-def pack_row(key: str, row: Row, images_dir: str, max_size: int | None, quality: int) -> dict:
+def pack_row(key: str, row: Row, *, images_dir: str, max_size: int | None, quality: int) -> dict:
     """The sample for one row (webdataset's dict of member bytes), or SampleError."""
     if not row.caption.strip():
         raise SampleError("failed_no_caption", "empty caption")
@@ -196,9 +198,7 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def write_shard(
-    out_dir: str, prefix: str, shard: int, rows: list[Row], images_dir: str, max_size: int | None, quality: int
-) -> tuple[dict, list[dict]]:
+def write_shard(out_dir: str, prefix: str, shard: int, rows: list[Row], packer: Packer) -> tuple[dict, list[dict]]:
     """Write one shard (via a .tmp name, so a crash leaves no half shard) and its _stats.json; returns
     (stats, failures)."""
     path = os.path.join(out_dir, f"{prefix}{shard:05d}.tar")
@@ -209,13 +209,14 @@ def write_shard(
         for index, row in enumerate(rows):
             key = f"{shard:05d}{index:04d}"
             try:
-                sink.write(pack_row(key, row, images_dir, max_size, quality))
+                sink.write(packer(key, row))
             except SampleError as err:
                 kinds[err.kind] += 1
                 failures.append({"key": key, "source_path": row.path, "location": row.location, "kind": err.kind,
                                  "reason": str(err)})
     os.replace(path + ".tmp", path)
-    stats = {"count": len(rows), "successes": len(rows) - len(failures), **{k: kinds[k] for k in FAILURE_KINDS}}
+    stats = {"count": len(rows), "successes": len(rows) - len(failures), **{k: kinds[k] for k in FAILURE_KINDS},
+             **kinds}
     write_atomic(path.removesuffix(".tar") + "_stats.json", json.dumps(stats, indent=1))
     return stats, failures
 
@@ -236,8 +237,18 @@ def make_shards(
     rows: list[Row], images_dir: str, out_dir: str, *, shard_size: int = MAX_SHARD_SIZE, workers: int | None = None,
     max_size: int | None = None, quality: int = 95, prefix: str = "",
 ) -> PackSummary:
-    """Pack `rows` (paths relative to `images_dir`, or absolute) into shards `{prefix}00000.tar, ...` of
+    """Pack image rows (paths relative to `images_dir`, or absolute) into shards `{prefix}00000.tar, ...` of
     `shard_size` rows each, in parallel."""
+    packer = functools.partial(pack_row, images_dir=images_dir, max_size=max_size, quality=quality)
+    return write_shards(rows, out_dir, packer, shard_size=shard_size, workers=workers, prefix=prefix)
+
+
+def write_shards(
+    rows: list[Row], out_dir: str, packer: Packer, *, shard_size: int = MAX_SHARD_SIZE, workers: int | None = None,
+    prefix: str = "",
+) -> PackSummary:
+    """Shards of `shard_size` rows, each row turned into a sample by `packer(key, row)` (a picklable callable
+    that raises SampleError for a row it cannot pack), with _stats.json, sizes.json and failures.jsonl."""
     if not rows:
         raise InputError("no rows to pack")
     if re.search(r"[/{}]", prefix):
@@ -259,8 +270,7 @@ def make_shards(
                          "remove them or write to another folder")
     workers = min(workers or os.cpu_count() or 1, len(chunks))
     with ProcessPoolExecutor(max_workers=workers) as pool, tqdm(total=len(rows), unit="sample", desc="packing") as bar:
-        jobs = [pool.submit(write_shard, out_dir, prefix, i, chunk, images_dir, max_size, quality)
-                for i, chunk in enumerate(chunks)]
+        jobs = [pool.submit(write_shard, out_dir, prefix, i, chunk, packer) for i, chunk in enumerate(chunks)]
         for job in as_completed(jobs):
             bar.update(job.result()[0]["count"])
     results = [job.result() for job in jobs]
