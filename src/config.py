@@ -70,6 +70,7 @@ class DataConfig:
     num_workers: int | None = None
     shuffle_buffer: int = 1000
     crop_scale_min: float = 0.9
+    frames: int = 0
     generate: bool = False
     generate_train_samples: int = 0
     generate_eval_samples: int = 0

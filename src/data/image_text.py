@@ -39,20 +39,30 @@ def random_resized_crop_box(
     return (height - side) // 2, (width - side) // 2, side, side
 
 
-def decode_image(data: bytes, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
-    """Decode to a (3, size, size) uint8 tensor: a random resized crop in training (rng given), a resize of
-    the short side and a centre crop in evaluation."""
+def load_rgb(data: bytes, size: int) -> torch.Tensor:
+    """Decode image bytes to a (3, H, W) uint8 tensor."""
     with Image.open(io.BytesIO(data)) as img:
         # draft() lets the JPEG decoder skip work when the source is much larger than the target.
         img.draft("RGB", (size, size))
-        image = TF.pil_to_tensor(img.convert("RGB"))
-    height, width = image.shape[-2:]
-    if rng is not None:
-        top, left, h, w = random_resized_crop_box(width, height, rng, (scale_min, 1.0))
-        return TF.resized_crop(image, top, left, h, w, [size, size], antialias=True)
-    if (height, width) != (size, size):
+        return TF.pil_to_tensor(img.convert("RGB"))
+
+
+def crop(image: torch.Tensor, size: int, box: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """(..., 3, size, size): the resized crop `box` (top, left, height, width) in training; a resize of the
+    short side and a centre crop in evaluation (box None). Leading dimensions (frames of a clip) share it."""
+    if box is not None:
+        return TF.resized_crop(image, *box, [size, size], antialias=True)
+    if image.shape[-2:] != (size, size):
         image = TF.resize(image, size, antialias=True)
     return TF.center_crop(image, [size, size])
+
+
+def decode_image(data: bytes, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
+    """A (3, size, size) uint8 tensor: random resized crop in training (rng given), centre crop in evaluation."""
+    image = load_rgb(data, size)
+    height, width = image.shape[-2:]
+    box = random_resized_crop_box(width, height, rng, (scale_min, 1.0)) if rng is not None else None
+    return crop(image, size, box)
 
 
 class ImageNormalizer:

@@ -35,6 +35,7 @@ from src.config import DataConfig
 from src.data.image_text import decode_image, image_bytes
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
+from src.data.video_text import TooFewFrames, decode_clip
 
 log = logging.getLogger(__name__)
 MODES = ("epoch", "resampled")
@@ -48,6 +49,14 @@ def default_num_workers() -> int:
     one left for each training process, at most 8."""
     per_rank = (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, per_rank - 1))
+
+
+def decode_pixels(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
+    """An image sample to (3, size, size), or, with `frames` > 0, a packed clip to (frames, 3, size, size);
+    uint8. Raises KeyError when the sample has no image (or no frames)."""
+    if frames:
+        return decode_clip(sample, frames, size, rng, scale_min)
+    return decode_image(image_bytes(sample), size, rng, scale_min)
 
 
 def read_samples(urls: list[str]) -> Iterator[dict]:
@@ -112,15 +121,15 @@ class TrainStream(IterableDataset):
         if "txt" not in sample:
             bad.add("missing_caption", url)
             return None
+        rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
         try:
-            data = image_bytes(sample)
+            pixels = decode_pixels(sample, self.cfg.frames, self.image_size, rng, self.cfg.crop_scale_min)
+            return pixels, sample["txt"].decode("utf-8")
         except KeyError:
             bad.add("missing_image", url)
             return None
-        rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
-        try:
-            image = decode_image(data, self.image_size, rng, self.cfg.crop_scale_min)
-            return image, sample["txt"].decode("utf-8")
+        except TooFewFrames:
+            raise
         except Exception as err:  # PIL raises many types for broken files; any of them means skip this one
             log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
             bad.add("corrupt_image", url)
@@ -268,10 +277,10 @@ class TrainLoader:
 
 
 class EvalStream(IterableDataset):
-    """One ordered pass over held-out shards: centre-cropped images, tokens and class labels."""
+    """One ordered pass over held-out shards: centre-cropped images (or clips), tokens and class labels."""
 
-    def __init__(self, shards: list[str], *, batch_size: int, image_size: int, context_length: int):
-        self.shards, self.batch_size = shards, batch_size
+    def __init__(self, shards: list[str], *, batch_size: int, image_size: int, context_length: int, frames: int = 0):
+        self.shards, self.batch_size, self.frames = shards, batch_size, frames
         self.image_size, self.context_length = image_size, context_length
 
     def _batch(self, images: list, captions: list, labels: list) -> dict:
@@ -285,7 +294,7 @@ class EvalStream(IterableDataset):
         shards = self.shards[info.id :: info.num_workers] if info is not None else self.shards
         images, captions, labels = [], [], []
         for sample in read_samples(shards):
-            images.append(decode_image(image_bytes(sample), self.image_size, None, 1.0))
+            images.append(decode_pixels(sample, self.frames, self.image_size, None, 1.0))
             captions.append(sample["txt"].decode("utf-8"))
             labels.append(json.loads(sample["json"]).get("label", -1) if "json" in sample else -1)
             if len(images) == self.batch_size:
@@ -296,8 +305,10 @@ class EvalStream(IterableDataset):
 
 
 def eval_batches(
-    pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int
+    pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int, frames: int = 0
 ) -> Iterator[dict]:
+    """One ordered pass over held-out shards: images (or clips of `frames` middle frames), tokens, labels."""
     shards = expand_shards(pattern, key="data.eval_shards")
-    stream = EvalStream(shards, batch_size=batch_size, image_size=image_size, context_length=context_length)
+    stream = EvalStream(shards, batch_size=batch_size, image_size=image_size, context_length=context_length,
+                        frames=frames)
     return iter(DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(shards))))
