@@ -1,8 +1,10 @@
 import io
 import random
+import tarfile
 
 import pytest
 import torch
+import webdataset as wds
 from PIL import Image
 
 from src.config import DataConfig
@@ -64,3 +66,32 @@ def test_too_few_stored_frames_is_a_clear_error(clip_shards):
     loader = TrainLoader(video_config(clip_shards, frames=16), image_size=32, context_length=16, seed=0)
     with pytest.raises(TooFewFrames, match="stores 8 frames but data.frames=16"):
         next(loader)
+
+
+@pytest.fixture(scope="module")
+def mp4_shard(tmp_path_factory):
+    """video2dataset's layout: the mp4 file itself in the shard, decoded by the loader."""
+    root = tmp_path_factory.mktemp("mp4")
+    make_synthetic_videos(str(root / "videos"), clips=6, frames=24, size=48)
+    path = str(root / "mp4-00000.tar")
+    with wds.TarWriter(path) as sink:
+        for i in range(6):
+            data = (root / "videos" / f"clip_{i:06d}.mp4").read_bytes()
+            sink.write({"__key__": f"{i:09d}", "mp4": data if i != 2 else data[:300], "txt": f"clip {i}"})
+    return path
+
+
+def test_mp4_in_shard_clips_decode_in_the_loader(mp4_shard):
+    loader = TrainLoader(DataConfig(name="v", shards=mp4_shard, batch_size=5, num_workers=0, shuffle_buffer=1,
+                                    frames=4), image_size=32, context_length=16, seed=0)
+    batch = next(loader)
+    assert batch["images"].shape == (5, 4, 3, 32, 32) and "000000002" not in batch["keys"]
+    assert loader.bad_counts() == {"corrupt_image": 1}  # the truncated mp4
+
+
+def test_mp4_eval_frames_are_fixed_and_move(mp4_shard):
+    with tarfile.open(mp4_shard) as tar:
+        data = tar.extractfile("000000000.mp4").read()
+    sample = {"__key__": "000000000", "mp4": data}
+    first, again = decode_clip(sample, 4, 32, None, 1.0), decode_clip(sample, 4, 32, None, 1.0)
+    assert torch.equal(first, again) and not torch.equal(first[0], first[-1])  # the shape moved between frames

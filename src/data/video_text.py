@@ -1,21 +1,28 @@
-"""One packed clip (K JPEG frames + caption) in, a (T, 3, H, W) uint8 tensor of T frames out.
+"""One clip in, a (T, 3, H, W) uint8 tensor of T frames out: from a packed clip (K JPEG frames, the fast path)
+or from a video file stored in the shard (video2dataset's `{key}.mp4`, decoded here; for users who cannot
+pre-extract frames).
 
 Frames are chosen TSN-style: the K stored frames are cut into T equal segments, and training takes a random
 frame from each segment (so each epoch sees different frames of the same clip), evaluation the middle one.
+For a video file the segments are cut in time over its duration instead.
 One random resized crop and one horizontal flip are drawn per clip and applied to all its frames, so the
 motion between frames is preserved.
 """
 
 from __future__ import annotations
 
+import io
 import random
 import re
 
+import av
 import torch
+from torchvision.transforms.v2 import functional as TF
 
 from src.data.image_text import crop, load_rgb, random_resized_crop_box
 
 FRAME_MEMBER = re.compile(r"^f(\d{3})\.jpg$")
+VIDEO_MEMBERS = ("mp4", "webm", "mkv", "avi", "mov")
 
 
 class TooFewFrames(ValueError):
@@ -39,9 +46,40 @@ def segment_indices(stored: int, frames: int, rng: random.Random | None) -> list
     return [rng.randint(lo, hi) if rng is not None else (lo + hi) // 2 for lo, hi in bounds]
 
 
+def segment_times(duration: float, frames: int, rng: random.Random | None) -> list[float]:
+    """One time per equal segment of [0, duration): random within it in training, its middle in evaluation."""
+    width = duration / frames
+    return [(i + (rng.random() if rng is not None else 0.5)) * width for i in range(frames)]
+
+
+def video_frames(data: bytes, frames: int, rng: random.Random | None) -> torch.Tensor:
+    """(T, 3, H, W) uint8: the frame at or after each segment time. One seek to the keyframe before the first
+    time, then decoding forward: targets only increase, and training clips are short."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1  # PyAV's default (all cores) has deadlocked next to DataLoader
+        duration = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
+        targets = segment_times(duration, frames, rng)
+        container.seek(int(targets[0] / stream.time_base), stream=stream, backward=True)
+        picked = []
+        for frame in container.decode(stream):
+            while len(picked) < frames and frame.time is not None and frame.time >= targets[len(picked)]:
+                picked.append(TF.pil_to_tensor(frame.to_image()))
+            if len(picked) == frames:
+                break
+    if not picked:
+        raise ValueError("no decodable frame in the video")
+    picked += picked[-1:] * (frames - len(picked))  # a clip ending early repeats its last frame
+    return torch.stack(picked)
+
+
 def decode_clip(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
-    stored = frame_members(sample)
-    clip = torch.stack([load_rgb(stored[i], size) for i in segment_indices(len(stored), frames, rng)])
+    video = next((sample[ext] for ext in VIDEO_MEMBERS if ext in sample), None)
+    if video is not None and not any(FRAME_MEMBER.match(name) for name in sample):
+        clip = video_frames(video, frames, rng)
+    else:
+        stored = frame_members(sample)
+        clip = torch.stack([load_rgb(stored[i], size) for i in segment_indices(len(stored), frames, rng)])
     if rng is None:
         return crop(clip, size, None)
     height, width = clip.shape[-2:]
