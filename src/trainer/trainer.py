@@ -70,6 +70,11 @@ class Trainer:
                 + ", ".join(AUTOCAST_DTYPES)
             )
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
+        if cfg.data.frames:
+            raise ValueError(
+                f"data.frames={cfg.data.frames} loads video clips, but the CLIP trainer takes images: video "
+                "fine-tuning (a frame encoder with an LV-XAttn head) is not built yet; use data.frames=0"
+            )
         # Same seed on every rank for identical initial weights; per-rank streams afterwards.
         torch.manual_seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, self.device)
