@@ -72,6 +72,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as TF
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from bench.process_stats import children_pids, cpu_model, cpu_seconds  # noqa: E402
 from src.config import DataConfig  # noqa: E402
 from src.data.image_text import decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
@@ -215,35 +216,6 @@ def jpeg_bytes(pattern: str) -> list[bytes]:
 # ----------------------------------------------------------------------------------------------- loaders
 
 
-def children_cpu_pids() -> list[int]:
-    """Live child processes of this one (the DataLoader workers)."""
-    me, pids = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:  # field 4, ppid
-            pids.append(int(entry))
-    return pids
-
-
-def process_cpu_seconds() -> float:
-    """User+system CPU seconds of this process and its live children (the workers are long-lived)."""
-    total = 0
-    for pid in [os.getpid(), *children_cpu_pids()]:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime in clock ticks
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def ours(pattern: str, batch: int, workers: int, shuffle_buffer: int, seed: int) -> tuple[Iterator, dict]:
     cfg = DataConfig(name="bench", shards=pattern, mode="epoch", batch_size=batch, num_workers=workers,
                      shuffle_buffer=shuffle_buffer, crop_scale_min=CROP_SCALE_MIN)
@@ -279,14 +251,14 @@ def measure(name: str, make: Callable[[], tuple[Iterator, dict]], workers: int, 
     for _ in range(warmup):
         first = next(batches)
     started = time.perf_counter()
-    cpu_start = process_cpu_seconds()
+    cpu_start = cpu_seconds()
     images = count = 0
     now = started
     while now - started < seconds:
         images += len(next(batches))
         count += 1
         now = time.perf_counter()
-    cpu = process_cpu_seconds() - cpu_start
+    cpu = cpu_seconds() - cpu_start
     elapsed = now - started
     result = {
         "loader": name, "workers": workers, "warmup_batches": warmup, "warmup_s": round(started - start, 2),
@@ -299,11 +271,11 @@ def measure(name: str, make: Callable[[], tuple[Iterator, dict]], workers: int, 
     del batches, first
     gc.collect()
     for _ in range(50):  # wait for the workers to exit, so they do not compete with the next run
-        if not children_cpu_pids():
+        if not children_pids():
             break
         time.sleep(0.1)
     else:
-        print(f"warning: {len(children_cpu_pids())} worker processes still alive after {name}")
+        print(f"warning: {len(children_pids())} worker processes still alive after {name}")
     return result
 
 
@@ -365,17 +337,6 @@ def bench_decode(images: list[bytes], passes: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- report
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def print_tables(results: list[dict], ratios: dict, decode: dict) -> None:

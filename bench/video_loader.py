@@ -80,11 +80,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 import src.data.loader as loader_module  # noqa: E402
+from bench.process_stats import children_pids, cpu_model, cpu_seconds  # noqa: E402
 from src.config import DataConfig  # noqa: E402
 from src.data.image_text import crop, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.data.shard_writer import read_captions, shard_pattern  # noqa: E402
 from src.data.video_pack import pack_videos  # noqa: E402
+from src.data.video_text import segment_times  # noqa: E402
 
 DATA_VERSION = 2  # bump when the generated videos change, so old caches are not reused
 FPS = 30
@@ -231,11 +233,6 @@ def build_shards(videos_dir: str, videos: list[dict], shards: int, frames: int, 
 # ----------------------------------------------------------------------------------------------- decoding
 
 
-def segment_times(duration: float, frames: int, rng: random.Random) -> list[float]:
-    """One random time in each of `frames` equal segments of [0, duration) (TSN sampling)."""
-    return [(i + rng.random()) * duration / frames for i in range(frames)]
-
-
 def seek_decode(source: str | io.BytesIO, frames: int, rng: random.Random) -> torch.Tensor:
     """(T, 3, H, W) uint8, full resolution: for each random time, a seek to the keyframe before it, then
     decoding forward to the first frame at or after it. This is what reading frames by index costs with
@@ -368,35 +365,6 @@ def use_bench_mp4_decoder() -> None:
 # ----------------------------------------------------------------------------------------------- timing
 
 
-def children_pids() -> list[int]:
-    """Live child processes of this one (the DataLoader workers)."""
-    me, pids = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:  # field 4, ppid
-            pids.append(int(entry))
-    return pids
-
-
-def cpu_seconds() -> float:
-    """User+system CPU seconds of this process and its live children (the workers are long-lived)."""
-    total = 0
-    for pid in [os.getpid(), *children_pids()]:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime in clock ticks
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def measure(name: str, batches: Iterator[torch.Tensor], workers: int, seconds: float, warmup: int,
             frames: int) -> dict:
     start, rounds = time.perf_counter(), max(1, workers)
@@ -433,17 +401,6 @@ def measure(name: str, batches: Iterator[torch.Tensor], workers: int, seconds: f
 
 
 # ----------------------------------------------------------------------------------------------- report
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def versions() -> dict:
