@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import inspect
 import io
 import json
@@ -72,7 +71,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as TF
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from bench.process_stats import children_pids, cpu_model, cpu_seconds  # noqa: E402
+from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
 from src.config import DataConfig  # noqa: E402
 from src.data.image_text import decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
@@ -248,34 +247,18 @@ def openclip(pattern: str, batch: int, workers: int, samples: int, seed: int) ->
 def measure(name: str, make: Callable[[], tuple[Iterator, dict]], workers: int, seconds: float, warmup: int) -> dict:
     start = time.perf_counter()
     batches, stats = make()
-    for _ in range(warmup):
-        first = next(batches)
-    started = time.perf_counter()
-    cpu_start = cpu_seconds()
-    images = count = 0
-    now = started
-    while now - started < seconds:
-        images += len(next(batches))
-        count += 1
-        now = time.perf_counter()
-    cpu = cpu_seconds() - cpu_start
-    elapsed = now - started
+    setup_s = time.perf_counter() - start
+    t = time_batches(batches, warmup, seconds)
+    elapsed, images, first = t["seconds"], t["items"], t["first"]
     result = {
-        "loader": name, "workers": workers, "warmup_batches": warmup, "warmup_s": round(started - start, 2),
-        "batches": count, "images": images, "seconds": round(elapsed, 3),
+        "loader": name, "workers": workers, "warmup_batches": warmup,
+        "warmup_s": round(setup_s + t["warmup_s"], 2),
+        "batches": t["batches"], "images": images, "seconds": round(elapsed, 3),
         "images_per_s": images / elapsed, "images_per_s_per_worker": images / elapsed / max(1, workers),
-        "cpu_s": round(cpu, 2), "cpu_ms_per_image": 1000 * cpu / images,
+        "cpu_s": round(t["cpu_s"], 2), "cpu_ms_per_image": 1000 * t["cpu_s"] / images,
         "batch_dtype": str(first.dtype), "batch_shape": list(first.shape), **stats,
     }
-    batches.close()  # drops the last reference to the DataLoader iterator, which shuts its workers down
-    del batches, first
-    gc.collect()
-    for _ in range(50):  # wait for the workers to exit, so they do not compete with the next run
-        if not children_pids():
-            break
-        time.sleep(0.1)
-    else:
-        print(f"warning: {len(children_pids())} worker processes still alive after {name}")
+    stop_workers(batches, name)
     return result
 
 

@@ -3,8 +3,10 @@ the CPU model. Per-image CPU time is the figure least disturbed by other work on
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
+import time
 
 
 def children_pids() -> list[int]:
@@ -45,3 +47,34 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def time_batches(batches, warmup: int, seconds: float, rounds: int = 1) -> dict:
+    """Pull `warmup` batches untimed, then batches for at least `seconds` of wall time, ending on a whole number
+    of `rounds` (DataLoader workers hand out batches in turn). Returns the first batch, the items counted,
+    wall and CPU seconds."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        first = next(batches)
+    started = time.perf_counter()
+    cpu_start = cpu_seconds()
+    items = count = 0
+    now = started
+    while now - started < seconds or count % rounds:
+        items += len(next(batches))
+        count += 1
+        now = time.perf_counter()
+    return {"first": first, "items": items, "batches": count, "seconds": now - started,
+            "cpu_s": cpu_seconds() - cpu_start, "warmup_s": started - start}
+
+
+def stop_workers(batches, name: str) -> None:
+    """Drop the DataLoader iterator and wait for its workers to exit, so they do not compete with the next run."""
+    batches.close()
+    del batches
+    gc.collect()
+    for _ in range(50):
+        if not children_pids():
+            return
+        time.sleep(0.1)
+    print(f"warning: {len(children_pids())} worker processes still alive after {name}")

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import gc
 import io
 import json
 import math
@@ -64,7 +63,6 @@ import shlex
 import shutil
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -80,7 +78,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 import src.data.loader as loader_module  # noqa: E402
-from bench.process_stats import children_pids, cpu_model, cpu_seconds  # noqa: E402
+from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
 from src.config import DataConfig  # noqa: E402
 from src.data.image_text import crop, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
@@ -367,36 +365,17 @@ def use_bench_mp4_decoder() -> None:
 
 def measure(name: str, batches: Iterator[torch.Tensor], workers: int, seconds: float, warmup: int,
             frames: int) -> dict:
-    start, rounds = time.perf_counter(), max(1, workers)
-    for _ in range(warmup):
-        first = next(batches)
-    started = time.perf_counter()
-    cpu_start = cpu_seconds()
-    clips = count = 0
-    now = started
-    while now - started < seconds or count % rounds:  # whole rounds: batches come from the workers in turn
-        clips += len(next(batches))
-        count += 1
-        now = time.perf_counter()
-    cpu = cpu_seconds() - cpu_start
-    elapsed = now - started
+    t = time_batches(batches, warmup, seconds, rounds=max(1, workers))
+    elapsed, clips, first = t["seconds"], t["items"], t["first"]
     per_worker = clips / elapsed / max(1, workers)
     result = {
-        "pipeline": name, "workers": workers, "warmup_batches": warmup, "warmup_s": round(started - start, 2),
-        "batches": count, "clips": clips, "seconds": round(elapsed, 3), "clips_per_s": clips / elapsed,
+        "pipeline": name, "workers": workers, "warmup_batches": warmup, "warmup_s": round(t["warmup_s"], 2),
+        "batches": t["batches"], "clips": clips, "seconds": round(elapsed, 3), "clips_per_s": clips / elapsed,
         "clips_per_s_per_worker": per_worker, "frames_per_s_per_worker": per_worker * frames,
-        "cpu_s": round(cpu, 2), "cpu_ms_per_clip": 1000 * cpu / clips, "batch_shape": list(first.shape),
+        "cpu_s": round(t["cpu_s"], 2), "cpu_ms_per_clip": 1000 * t["cpu_s"] / clips, "batch_shape": list(first.shape),
         "batch_dtype": str(first.dtype),
     }
-    batches.close()  # drops the last reference to the DataLoader iterator, which shuts its workers down
-    del batches, first
-    gc.collect()
-    for _ in range(50):  # wait for the workers to exit, so they do not compete with the next run
-        if not children_pids():
-            break
-        time.sleep(0.1)
-    else:
-        print(f"warning: {len(children_pids())} worker processes still alive after {name}")
+    stop_workers(batches, name)
     return result
 
 
