@@ -70,14 +70,10 @@ class Trainer:
                 + ", ".join(AUTOCAST_DTYPES)
             )
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
-        if cfg.data.frames:
-            raise ValueError(
-                f"data.frames={cfg.data.frames} loads video clips, but the CLIP trainer takes images: video "
-                "fine-tuning (a frame encoder with an LV-XAttn head) is not built yet; use data.frames=0"
-            )
+        self.check_config()
         # Same seed on every rank for identical initial weights; per-rank streams afterwards.
         torch.manual_seed(cfg.trainer.seed)
-        self.model = build_model(cfg.model, self.device)
+        self.model = self.build_model()
         torch.manual_seed(cfg.trainer.seed + dist_info.rank)
         random.seed(cfg.trainer.seed + dist_info.rank)
         np.random.seed(cfg.trainer.seed + dist_info.rank)
@@ -91,13 +87,9 @@ class Trainer:
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
         )
-        self.loader = TrainLoader(
-            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-            seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
-            pin_memory=self.device.type == "cuda",
-        )
+        self.loader = self.build_loader()
         self.normalize = ImageNormalizer(self.device)
-        self.patch_embed = dict(self.model.named_parameters())[PATCH_EMBED]
+        self.patch_embed = dict(self.model.named_parameters())[self.patch_embed_name]
         self.spikes = SpikeDetector(cfg.spikes)
         self.step = 0
         self.checkpoints = os.path.join(run_dir, "checkpoints")
@@ -108,18 +100,44 @@ class Trainer:
             start_step=self.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
         )
 
+    # Hooks a specialised trainer (e.g. video fine-tuning) overrides; the loop, precision, logging and
+    # checkpoints stay shared.
+    patch_embed_name = PATCH_EMBED
+
+    def check_config(self) -> None:
+        if self.cfg.data.frames:
+            raise ValueError(
+                f"data.frames={self.cfg.data.frames} loads video clips, but the CLIP trainer takes images: use "
+                "experiment=video_finetune for video, or data.frames=0"
+            )
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg.model, self.device)
+
+    def build_loader(self) -> TrainLoader:
+        cfg = self.cfg
+        return TrainLoader(
+            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+            seed=cfg.trainer.seed, rank=self.dist.rank, world_size=self.dist.world_size,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training loss of one batch, under autocast."""
+        images = self.normalize(batch["images"].to(self.device, non_blocking=True))
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        image_features, text_features, logit_scale = self.forward_model(images, tokens)
+        return clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def train_step(self, images: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Forward, backward, update. Returns device tensors only: nothing here waits for the device."""
-        images = self.normalize(images.to(self.device, non_blocking=True))
-        tokens = tokens.to(self.device, non_blocking=True)
         with self.autocast():
-            image_features, text_features, logit_scale = self.forward_model(images, tokens)
-            loss = clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+            loss = self.forward_loss(batch)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -160,7 +178,7 @@ class Trainer:
         while self.step < end:
             batch = next(self.loader)
             lr = self.scheduler.get_last_lr()[0]
-            pending.append((self.step, lr, self.train_step(batch["images"], batch["tokens"])))
+            pending.append((self.step, lr, self.train_step(batch)))
             self.step += 1
             window_steps += 1
             if self.step % cfg.log_every == 0 or self.step == end:
