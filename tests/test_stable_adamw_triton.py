@@ -1,36 +1,25 @@
-"""The fused Triton step of StableAdamW against its foreach path, on the CPU through Triton's interpreter.
+"""The fused Triton step of StableAdamW against its foreach path, on the CPU through Triton's interpreter
+(tests/triton_interpreter.py says how). Tests on CUDA are in tests/gpu/."""
 
-Triton reads TRITON_INTERPRET when a kernel is defined, i.e. on import, so the kernel tests run in a
-subprocess that sets it: `test_kernels_under_the_interpreter` starts pytest on this file there, and the
-tests marked `interpreted` run only in that subprocess. Tests on CUDA are in tests/gpu/.
-"""
-
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from test_stable_adamw import make_params, random_grads, set_grads, snapshot
+from triton_interpreter import INTERPRETED, ROOT, interpreted, run_under_interpreter
 
 from src.optim import stable_adamw, stable_adamw_triton
 from src.optim.stable_adamw import StableAdamW
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_the_interpreter's subprocess")
 SHAPES = [(7,), (3, 50), (4, 3, 2, 2), (1,), (), (129,)]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the subprocess")
 def test_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_under_interpreter(__file__)
 
 
 @pytest.fixture

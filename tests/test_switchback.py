@@ -16,13 +16,13 @@ def q8(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
     round the same way), returned as float64."""
     x = x.float()
     a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    return torch.round(x * (127 / a)).double(), a.double()
+    return torch.round(x * 127 / a).double(), a.double()
 
 
 def qfp8(x: torch.Tensor, dim) -> torch.Tensor:
-    """e4m3 with scale absmax / 448, dequantized back to float64."""
-    a = (x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)) / 448
-    return (x / a).to(torch.float8_e4m3fn).double() * a
+    """e4m3 values (x · 448) / absmax, dequantized back to float64 with absmax / 448."""
+    a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return (x * 448 / a).to(torch.float8_e4m3fn).double() * (a.double() / 448)
 
 
 def expected(variant: str, x, w, b, g):

@@ -17,10 +17,11 @@ parameter, moments and step count are left bit for bit. Everything stays on the 
 import functools
 import itertools
 import math
-import os
 
 import torch
 from torch import Tensor
+
+from src.triton_interpreter import interpreting
 
 try:
     import triton
@@ -39,9 +40,6 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _interpreting() -> bool:
-    # Triton runs kernels on CPU tensors in its interpreter (TRITON_INTERPRET=1, read on import).
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def fused_stable_adamw_step(
@@ -69,7 +67,7 @@ def fused_stable_adamw_step(
     if triton is None:
         raise RuntimeError("the fused StableAdamW step needs triton: pip install triton, or use fused=False")
     device = params[0].device
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise ValueError(f"the fused StableAdamW step runs on CUDA tensors, not {device}; use fused=False")
     for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
         if isinstance(t, Tensor) and t.device != device:

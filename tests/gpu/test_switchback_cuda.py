@@ -39,3 +39,31 @@ def test_cuda_backend_equals_reference(variant, features):
         # where the compiled quantizer rounds a tie the other way, a single step of 1/127 (or one fp8 ulp).
         error = ((got - want).norm() / want.norm()).item()
         assert error < 1e-2, f"{variant} {features} {name}: relative error {error:.2e}"
+
+
+def test_kernels_are_bitwise_the_reference_at_vit_h_shapes():
+    """Quantized values and scales bit for bit; the int8 matmul's float32 output too, without bias (with a
+    bias the GPU may fuse the epilogue's multiply-add into one rounding)."""
+    from src.models.switchback import kernels
+    from src.models.switchback import reference as ref
+
+    torch.manual_seed(0)
+    for k, n in SHAPES:
+        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16) * torch.rand(TOKENS, 1, device="cuda")
+        w = torch.randn(n, k, device="cuda") / k**0.5
+        for fp8 in (False, True):
+            quantizer = ref.quantize_fp8 if fp8 else ref.quantize_int8
+            q, scale, sums = kernels.quantize_rows(x, fp8, column_sums=True)
+            want_q, want_scale = quantizer(x, 1)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+            torch.testing.assert_close(sums, x.float().sum(0), rtol=1e-4, atol=1e-2)
+            q, qt, scale = kernels.quantize_tensor(w, fp8, transpose=True)
+            want_q, want_scale = quantizer(w, None)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(qt.view(torch.uint8), want_q.t().contiguous().view(torch.uint8))
+            assert torch.equal(scale.reshape(()), want_scale.reshape(()))
+        qx, sx = ref.quantize_int8(x, 1)
+        qw, sw = ref.quantize_int8(w, None)
+        got = kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32)
+        want = ref.int8_matmul_dequant(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32)
+        assert torch.isfinite(got).all() and torch.equal(got, want), f"{k}->{n}"

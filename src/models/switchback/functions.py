@@ -10,18 +10,19 @@ Variants (Wortsman et al. 2023):
 - `switchback_fp8`: e4m3 operands, X and G row-wise, W tensor-wise (Hopper: compute capability ≥ 8.9).
 
 Backends: `reference` runs the matmuls in plain PyTorch on any device (exact int8 sums in float64);
-`cuda` runs them on the GPU's integer / fp8 tensor cores (`torch._int_mm`, `torch._scaled_mm`), with the
-quantizers of `reference.py` compiled into fused kernels. Both apply the same arithmetic, so they agree up to
-float32 summation order.
+`cuda` runs our Triton kernels (`kernels.py`: fused row-wise and tensor-wise quantizers, an int8 matmul with
+the dequantize and bias in its epilogue) and, for fp8, cuBLAS through `torch._scaled_mm` with row-wise
+scales. Both apply the same arithmetic: the quantized values are bit for bit equal, and the outputs agree up
+to the accumulators' summation order.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from src.models.switchback import kernels
 from src.models.switchback import reference as ref
 
 
@@ -51,6 +52,7 @@ def check_backend(variant: Variant, backend: str, device: torch.device) -> None:
         raise ValueError(f"model.linear_backend={backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "reference":
         return
+    kernels.require_triton()
     if device.type != "cuda":
         raise ValueError(
             f"model.linear={variant.name} with the cuda backend needs a CUDA GPU, but the model is on {device}: "
@@ -64,42 +66,39 @@ def check_backend(variant: Variant, backend: str, device: torch.device) -> None:
         )
 
 
-@functools.cache
-def fused(fn):
-    """`fn` compiled by TorchInductor into fused Triton kernels: the absmax reduction, scaling, rounding and
-    cast of a quantizer become one pass over the tensor instead of one kernel (and one round trip through
-    memory) per op, which is what made unfused quantization slower than the bf16 layer."""
-    # One compiled variant per (dim, dtype) pair a layer uses: up to a dozen, beyond Dynamo's default limit of 8.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+def quantize_rows(
+    variant: Variant, backend: str, x: torch.Tensor, column_sums: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A scale per row of `x` (any strides): (q contiguous, scale [R, 1], float32 column sums or None)."""
+    if backend == "cuda":
+        return kernels.quantize_rows(x, variant.fp8, column_sums)
+    q, scale = (ref.quantize_fp8 if variant.fp8 else ref.quantize_int8)(x, 1)
+    return q, scale, x.float().sum(0) if column_sums else None
 
 
-def quantize(variant: Variant, x: torch.Tensor, dim: int | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = ref.quantize_fp8 if variant.fp8 else ref.quantize_int8
-    return (fused(fn) if backend == "cuda" else fn)(x, dim)
-
-
-def int8_dequantize(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
-    out = acc.float() * (scale / (ref.INT8_MAX * ref.INT8_MAX))
-    return (out if bias is None else out + bias.float()).to(out_dtype)
+def quantize_tensor(variant: Variant, backend: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One scale for `w`: (q, qᵀ, scale [1, 1]); the cuda backend writes qᵀ contiguous in the same pass."""
+    if backend == "cuda":
+        return kernels.quantize_tensor(w, variant.fp8, transpose=True)
+    q, scale = (ref.quantize_fp8 if variant.fp8 else ref.quantize_int8)(w, None)
+    return q, q.t(), scale.reshape(1, 1)
 
 
 def low_precision_matmul(
-    variant: Variant, backend: str, qa: torch.Tensor, scale_a: torch.Tensor, qb_t: torch.Tensor,
+    variant: Variant, backend: str, qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor,
     scale_b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(qa @ qb_t) dequantized by scale_a ([M, 1]) · scale_b ([1, N] or scalar), plus bias."""
+    """(qa @ qb) dequantized by scale_a ([M, 1]) · scale_b ([1, N] or [1, 1]), plus bias. qb [K, N] is
+    column-major (contiguous along K) where the callers can make it so for free: the 8-bit tensor cores read
+    both operands along K."""
     if backend == "reference":
         matmul = ref.fp8_matmul_dequant if variant.fp8 else ref.int8_matmul_dequant
-        return matmul(qa, scale_a, qb_t, scale_b, bias, out_dtype)
-    # cuBLAS wants the second operand column-major (free when it is a transposed row-major weight).
-    b = qb_t.t().contiguous().t()
+        return matmul(qa, scale_a, qb, scale_b, bias, out_dtype)
     if variant.fp8:
-        # Row-wise fp8 scaling takes scales of shape [M, 1] and [1, N].
-        scale_b = scale_b.reshape(1, -1).expand(1, b.shape[1]).contiguous()
+        scale_b = scale_b.expand(1, qb.shape[1]).contiguous()  # row-wise scaling wants [M, 1] and [1, N]
         bias = None if bias is None else bias.to(out_dtype)
-        return torch._scaled_mm(qa, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
-    return fused(int8_dequantize)(torch._int_mm(qa, b), scale_a * scale_b, bias, out_dtype)
+        return torch._scaled_mm(qa, qb, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return kernels.int8_matmul(qa, scale_a, qb, scale_b, bias, out_dtype)
 
 
 class SwitchBackLinearFunction(torch.autograd.Function):
@@ -107,15 +106,19 @@ class SwitchBackLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: Variant,
                 backend: str) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        qx, sx = quantize(variant, x2, 1, backend)
-        qw, sw = quantize(variant, weight, variant.weight_dim_forward, backend)
-        out = low_precision_matmul(variant, backend, qx, sx, qw.t(), sw.reshape(1, -1), bias, x.dtype)
+        qx, sx, _ = quantize_rows(variant, backend, x2)
+        if variant.weight_dim_forward is None:
+            # Backward scales W the same way, so its quantized copy (1 byte per weight) is kept for it, laid
+            # out as the input-gradient matmul reads it.
+            qw, qwt, sw = quantize_tensor(variant, backend, weight)
+            saved_weight = (qwt, sw)
+        else:
+            qw, sw, _ = quantize_rows(variant, backend, weight)
+            sw, saved_weight = sw.reshape(1, -1), (weight,)
+        out = low_precision_matmul(variant, backend, qx, sx, qw.t(), sw, bias, x.dtype)
         ctx.variant, ctx.backend, ctx.has_bias = variant, backend, bias is not None
         ctx.x_dtype, ctx.x_shape, ctx.weight_dtype = x.dtype, x.shape, weight.dtype
-        # Where backward scales W the same way, its quantized copy (1 byte per weight) is reused there.
-        reuse = variant.weight_dim_backward == variant.weight_dim_forward
-        ctx.save_for_backward(*((qx, sx) if variant.save_int8_input else (x2,)), *((qw, sw) if reuse else (weight,)))
-        ctx.reuse_weight = reuse
+        ctx.save_for_backward(*((qx, sx) if variant.save_int8_input else (x2,)), *saved_weight)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -127,16 +130,22 @@ class SwitchBackLinearFunction(torch.autograd.Function):
         else:
             x2 = saved.pop(0)
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
-        grad_x = grad_w = grad_b = None
+        grad_x = grad_w = grad_b = column_sums = None
+        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[0]:
-            qg, sg = quantize(variant, g2, 1, backend)
-            qw, sw = saved if ctx.reuse_weight else quantize(variant, saved[0], variant.weight_dim_backward, backend)
-            grad_x = low_precision_matmul(variant, backend, qg, sg, qw, sw.reshape(1, -1), None, ctx.x_dtype)
+            # G's column sums are the bias gradient: the quantizer reads G once for both.
+            qg, sg, column_sums = quantize_rows(variant, backend, g2, column_sums=want_bias)
+            if variant.weight_dim_backward is None:
+                qwt, sw = saved
+            else:  # a scale per input column of W: rows of Wᵀ
+                qwt, sw, _ = quantize_rows(variant, backend, saved[0].t())
+                sw = sw.reshape(1, -1)
+            grad_x = low_precision_matmul(variant, backend, qg, sg, qwt.t(), sw, None, ctx.x_dtype)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g2.t() @ x2).to(ctx.weight_dtype)  # the switch back: 16-bit (or fp32) weight gradient
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(ctx.weight_dtype)
+        if want_bias:
+            grad_b = (g2.float().sum(0) if column_sums is None else column_sums).to(ctx.weight_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 

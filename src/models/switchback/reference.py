@@ -1,11 +1,15 @@
 """Quantization and low-precision matmuls of SwitchBack in plain PyTorch: the CPU path and the ground truth
 the GPU kernels are tested against (same scales, same rounding).
 
-int8 (Wortsman et al. 2023, §2): q = round(127 · x / absmax), clamped to [-127, 127]; an int32 accumulator
-is dequantized by scale_a · scale_b / 127². Products of int8 values are summed exactly here (in float32 for
-inner dimensions up to 1040, else float64), which equals int32 accumulation.
-fp8: e4m3 values with scale = absmax / 448 (e4m3's largest finite value), so that x / scale fits exactly;
-the products are summed in float32 as cuBLAS does.
+int8 (Wortsman et al. 2023, §2): q = round(x · (127 · (1 / absmax))), clamped to [-127, 127]; an int32
+accumulator is dequantized by scale_a · scale_b / 127². Products of int8 values are summed exactly here (in
+float32 for inner dimensions up to 1040, else float64), which equals int32 accumulation.
+fp8: e4m3 values q = x · (448 · (1 / absmax)) (448 is e4m3's largest finite value), rounded to nearest even,
+with dequantization scale absmax · (1/448); the products are summed in float32 as cuBLAS does.
+
+Every step is one IEEE float32 operation in a fixed order, so the Triton kernels repeat it bit for bit. The
+one division is per row (a correctly rounded reciprocal); each element costs a multiply, which keeps the
+GPU quantizers bound by memory rather than by arithmetic.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def absmax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
 def quantize_int8(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, float32 absmax) along `dim` (1: row-wise, 0: column-wise, None: tensor-wise)."""
     scale = absmax(x, dim)
-    q = torch.round(x.float() * (INT8_MAX / scale)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.round(x.float() * (INT8_MAX * torch.reciprocal(scale))).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 
@@ -52,9 +56,10 @@ def int8_matmul_dequant(
 
 
 def quantize_fp8(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, float32 scale) with scale = absmax / 448 along `dim`."""
-    scale = absmax(x, dim) / FP8_MAX
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    """(e4m3 values, float32 scale) with scale = absmax · (1/448) along `dim`."""
+    amax = absmax(x, dim)
+    q = (x.float() * (FP8_MAX * torch.reciprocal(amax))).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, amax * (1.0 / FP8_MAX)
 
 
 def fp8_matmul_dequant(
