@@ -8,8 +8,8 @@
 - `int8_matmul`: int8 × int8 → int32 tiles, dequantized by the row and column scales and biased in the
   epilogue, so the int32 product never goes to memory.
 
-Rounding: `x + 1.5·2²³ − 1.5·2²³` rounds a float32 of magnitude below 2²² to the nearest integer, ties to
-even, exactly as `torch.round`; it also runs in Triton's CPU interpreter, where libdevice's rint does not.
+Rounding to integers: libdevice's rint on the GPU. Triton's CPU interpreter has no libdevice, so there
+`x + 1.5·2²³ − 1.5·2²³` does it (exact for float32 below 2²², ties to even, as `torch.round`).
 The GPU's cast to e4m3 rounds to nearest even; the interpreter's does not, so there fp8 values are first
 rounded onto the e4m3 grid the same way (scaled by their power-of-two spacing), which makes its cast exact.
 The per-row reciprocal is `div_rn` (correctly rounded, as PyTorch's), since Triton's `/` is approximate.
@@ -23,6 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:
     triton = None
 
@@ -67,7 +68,10 @@ if triton is not None:
             q = v.to(tl.float8e4nv)
         else:
             v = x * (127.0 * inverse)
-            v = (v + _ROUND_MAGIC) - _ROUND_MAGIC
+            if _INTERPRETING:
+                v = (v + _ROUND_MAGIC) - _ROUND_MAGIC
+            else:  # not the magic number: the GPU compiler would fuse x · s + magic into one FMA, one rounding
+                v = libdevice.rint(v)
             q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
         return q
 

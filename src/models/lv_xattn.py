@@ -1,0 +1,125 @@
+"""LV-XAttn: exact distributed cross-attention that keeps each rank's keys/values local and moves the
+(small) query blocks instead (docs/lv_xattn.md).
+
+q_sharded=True (the paper's ring): rank j's query block Q_j circulates; each rank adds its K/V shard's
+partial (o, lse) to Q_j's travelling accumulator with the log-sum-exp merge, and the accumulator returns
+home after P-1 hops. Backward circulates (Q, dO, O, LSE); dQ accumulates on the way and returns home, dK and
+dV never leave their rank.
+
+q_sharded=False (e.g. 77 CLIP text tokens on every rank): each rank attends its shard, then two all-reduces
+(the max of the LSEs, then the sum of the rescaled outputs with their weights) give the exact result.
+Backward: each rank's dQ share is all-reduced; dK and dV are local. Every rank must back-propagate the same
+dO, as it does when the loss is computed identically on every rank.
+
+Bytes sent by this process are added to `BYTES_SENT` (forward and backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from src.models.xattn_comm import ByteCounter, ShardLayout, XAttnEngine, attend, resized, ring_pass
+from src.models.xattn_core import (
+    NEG_INF,
+    acc_dtype,
+    block_backward,
+    block_forward,
+    empty_partial,
+    merge_partials,
+    visible_keys,
+)
+
+BYTES_SENT = ByteCounter()
+
+
+def _ids(layout: ShardLayout) -> list[Tensor]:
+    return [] if layout.q_segment_ids is None else [layout.q_segment_ids]
+
+
+def _visible(layout: ShardLayout, message: list[Tensor], position: int) -> Tensor | None:
+    """Mask of a query block (its ids travel at `position` of the message) against this rank's keys."""
+    q_ids = message[position] if layout.q_segment_ids is not None else None
+    return visible_keys(q_ids, layout.kv_segment_ids, layout.key_padding_mask)
+
+
+def _all_reduce_merge(out: Tensor, lse: Tensor, layout: ShardLayout) -> tuple[Tensor, Tensor]:
+    """Exact merge of every rank's partial for the same queries: shift by the global max LSE (so nothing
+    overflows), sum the weighted outputs and weights, renormalize. Rows no rank can see stay (0, -inf)."""
+    shift = layout.all_reduce(lse.clone(), "forward", dist.ReduceOp.MAX)
+    shift = shift.masked_fill(shift == NEG_INF, 0.0)
+    weight = torch.exp(lse - shift)[..., None]
+    packed = layout.all_reduce(torch.cat([out * weight, weight], dim=-1), "forward")
+    total = packed[..., -1:]
+    merged = torch.where(total > 0, packed[..., :-1] / total, 0.0)
+    return merged, shift + torch.log(total[..., 0])
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, layout: ShardLayout) -> tuple[Tensor, Tensor]:
+    if not layout.q_sharded:
+        visible = visible_keys(layout.q_segment_ids, layout.kv_segment_ids, layout.key_padding_mask)
+        out, lse = merge_partials(*empty_partial(q), *block_forward(q, k, v, visible, layout.scale))
+        out, lse = _all_reduce_merge(out, lse, layout)
+        return out.to(q.dtype), lse
+
+    def compute(origin: int, message: list[Tensor]) -> list[Tensor]:
+        return list(block_forward(message[0], k, v, _visible(layout, message, 1), layout.scale))
+
+    own = [q.contiguous(), *_ids(layout)]
+    out, lse = ring_pass(
+        layout, "forward", own,
+        message_like=lambda origin: [resized(t, layout.q_lens[origin]) for t in own],
+        compute=compute,
+        initial=lambda origin: list(empty_partial(q, layout.q_lens[origin])),
+        merge=lambda a, b: list(merge_partials(*a, *b)))
+    return out.to(q.dtype), lse
+
+
+def _backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, layout: ShardLayout,
+) -> tuple[Tensor, Tensor, Tensor]:
+    acc = acc_dtype(q.dtype)
+    if not layout.q_sharded:
+        visible = visible_keys(layout.q_segment_ids, layout.kv_segment_ids, layout.key_padding_mask)
+        dq, dk, dv = block_backward(q, k, v, visible, layout.scale, dout, out, lse)
+        dq = layout.all_reduce(dq.to(acc).contiguous(), "backward")
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    dk_sum, dv_sum = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+
+    def compute(origin: int, message: list[Tensor]) -> list[Tensor]:
+        q_j, dout_j, out_j, lse_j = message[:4]
+        dq, dk, dv = block_backward(q_j, k, v, _visible(layout, message, 4), layout.scale, dout_j, out_j, lse_j)
+        dk_sum.add_(dk)
+        dv_sum.add_(dv)
+        return [dq.to(acc)]
+
+    own = [q.contiguous(), dout, out, lse, *_ids(layout)]
+    (dq,) = ring_pass(
+        layout, "backward", own,
+        message_like=lambda origin: [resized(t, layout.q_lens[origin]) for t in own],
+        compute=compute,
+        initial=lambda origin: [q.new_zeros((q.shape[0], q.shape[1], layout.q_lens[origin], q.shape[3]), dtype=acc)],
+        merge=lambda a, b: [a[0] + b[0]])
+    return dq.to(q.dtype), dk_sum.to(k.dtype), dv_sum.to(v.dtype)
+
+
+LV_XATTN = XAttnEngine("lv_xattn", _forward, _backward, BYTES_SENT)
+
+
+def lv_xattn(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *, q_sharded: bool = True,
+    key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
+    kv_segment_ids: Tensor | None = None, scale: float | None = None,
+) -> Tensor:
+    """Exact softmax(q·K_globalᵀ·scale + mask)·V_global for this rank's queries.
+
+    q [B, H, Sq_local, D]; k, v [B, Hkv, Skv_local, D], this rank's contiguous shard of the global keys (the
+    shards in rank order); H a multiple of Hkv. Shards may differ in length, including zero.
+    key_padding_mask [B, Skv_local] (True = ignore); q_segment_ids [B, Sq_local] and kv_segment_ids
+    [B, Skv_local] let a query see only keys of its own segment. Rows with no visible key return zeros.
+    group=None uses the default group, or runs on one process when torch.distributed is not initialized.
+    """
+    return attend(LV_XATTN, q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask,
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)

@@ -1,0 +1,206 @@
+"""The distributed plumbing shared by LV-XAttn and the Ring baseline: who holds what, the ring pass, byte
+counting, and the autograd wrapper around an implementation's forward/backward pair."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from src.models.xattn_core import check_inputs
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# One row per rank of the shape exchange; a mismatch in any field but the two lengths is an error.
+FIELDS = ("Sq_local", "Skv_local", "B", "H", "Hkv", "D", "dtype", "key_padding_mask", "segment_ids")
+
+
+@dataclass
+class ByteCounter:
+    """Payload bytes this process sent, by pass. Point-to-point sends count their tensor bytes; an all-reduce
+    of n bytes counts 2·(P-1)·n/P, what a ring all-reduce sends per rank. The per-call shape exchange
+    (P·9 int64) is not counted."""
+
+    forward: int = 0
+    backward: int = 0
+
+    def reset(self) -> None:
+        self.forward = self.backward = 0
+
+    def add(self, phase: str, nbytes: int) -> None:
+        setattr(self, phase, getattr(self, phase) + nbytes)
+
+
+@dataclass
+class ShardLayout:
+    """One call's view of the group: this rank, the per-rank query and key lengths, and the masks."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    q_sharded: bool
+    scale: float
+    counter: ByteCounter
+    key_padding_mask: Tensor | None = None
+    q_segment_ids: Tensor | None = None
+    kv_segment_ids: Tensor | None = None
+
+    def peer(self, offset: int) -> int:
+        """Global rank of the group member `offset` places after this one on the ring."""
+        group_rank = (self.rank + offset) % self.world
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def all_reduce(self, x: Tensor, phase: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        if self.world > 1:
+            self.counter.add(phase, 2 * (self.world - 1) * x.numel() * x.element_size() // self.world)
+            dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+
+def make_layout(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, *, q_sharded: bool,
+    key_padding_mask: Tensor | None, q_segment_ids: Tensor | None, kv_segment_ids: Tensor | None,
+    scale: float | None, counter: ByteCounter, single_process: bool = False,
+) -> ShardLayout:
+    """Validate the local inputs and exchange every rank's shapes once (one small all-gather), so that
+    receive buffers can be sized for uneven and empty shards and a mismatch fails loudly instead of hanging."""
+    check_inputs(q, k, v, key_padding_mask, q_segment_ids, kv_segment_ids)
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not one of {DTYPES}")
+    batch, heads, sq, dim = q.shape
+    kv_heads, skv = k.shape[1], k.shape[2]
+    mine = [sq, skv, batch, heads, kv_heads, dim, DTYPES.index(q.dtype), key_padding_mask is not None,
+            q_segment_ids is not None]
+    if single_process or not dist.is_initialized():
+        rank, world, rows = 0, 1, [mine]
+    else:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        gathered = [q.new_empty(len(mine), dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=q.device), group=group)
+        rows = torch.stack(gathered).tolist()
+    for other, row in enumerate(rows):
+        for name, a, b in zip(FIELDS[2:], row[2:], mine[2:]):
+            if a != b:
+                raise ValueError(f"rank {other} has {name}={a} but rank {rank} has {b}: all ranks must agree")
+        if not q_sharded and row[0] != sq:
+            raise ValueError(f"q_sharded=False needs the same queries on every rank, but rank {other} has "
+                             f"Sq_local={row[0]} and rank {rank} has {sq}: pass q_sharded=True for sharded queries")
+    return ShardLayout(
+        group, rank, world, tuple(r[0] for r in rows), tuple(r[1] for r in rows), q_sharded,
+        dim ** -0.5 if scale is None else scale, counter, key_padding_mask,
+        None if q_segment_ids is None else q_segment_ids.long(),
+        None if kv_segment_ids is None else kv_segment_ids.long())
+
+
+def ring_pass(
+    layout: ShardLayout, phase: str, own_message: list[Tensor], message_like: Callable[[int], list[Tensor]],
+    compute: Callable[[int, list[Tensor]], list[Tensor]], initial: Callable[[int], list[Tensor]],
+    merge: Callable[[list[Tensor], list[Tensor]], list[Tensor]],
+) -> list[Tensor]:
+    """Circulate every rank's `own_message` once around the ring; return the accumulator of this rank's own
+    message after all P ranks have contributed.
+
+    At step t this rank holds the message of rank j = rank - t and computes `compute(j, message)`, a partial
+    result merged into j's travelling accumulator. Rank j's accumulator starts as `initial(j)` on rank j+1,
+    picks up one partial per rank, and returns home, where j's own step-0 partial is merged last. Each step
+    posts, in one batch_isend_irecv and before the local compute, the transfers it needs next: the
+    accumulator merged at the previous step out, the incoming one for this step, and the message for the next
+    step in. The block being computed on and the block arriving are separate buffers (double buffering); a
+    buffer is reused only after its transfer has completed. `compute` may return [] (nothing travels,
+    e.g. the Ring forward, whose accumulator stays on the rank that owns the queries)."""
+    world, rank = layout.world, layout.rank
+    if world == 1:
+        return merge(initial(rank), compute(rank, own_message))
+    nxt, prv = layout.peer(1), layout.peer(-1)
+    message, outgoing, own_partial = own_message, [], []
+    for step in range(world):
+        origin = (rank - step) % world
+        last = step == world - 1
+        incoming = initial(origin) if step >= 2 else []  # receive buffers: step 1 starts j's accumulator
+        next_message = [] if last else message_like((origin - 1) % world)
+        pending = _post(layout, phase, nxt, prv, outgoing + ([] if last else message), incoming + next_message)
+        partial = compute(origin, message)
+        _wait(pending)
+        if step == 0:
+            own_partial = partial
+        else:
+            outgoing = merge(incoming if step >= 2 else initial(origin), partial)
+        message = next_message
+    home = initial(rank)
+    _wait(_post(layout, phase, nxt, prv, outgoing, home))
+    return merge(home, own_partial)
+
+
+def resized(x: Tensor, length: int) -> Tensor:
+    """An empty receive buffer like x with `length` positions on its sequence dim: dim 2 of [B, H, S, D] and
+    [B, H, S], dim 1 of [B, S] masks and ids."""
+    shape = list(x.shape)
+    shape[2 if x.dim() > 2 else 1] = length
+    return x.new_empty(shape)
+
+
+def _post(layout: ShardLayout, phase: str, nxt: int, prv: int, sends: list[Tensor], receives: list[Tensor]):
+    # Empty tensors are skipped on both sides: both know every shard's length, so the pairing still matches.
+    ops = [dist.P2POp(dist.isend, t, nxt, layout.group) for t in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, prv, layout.group) for t in receives if t.numel()]
+    layout.counter.add(phase, sum(t.numel() * t.element_size() for t in sends if t.numel()))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+@dataclass(frozen=True)
+class XAttnEngine:
+    """An implementation: forward_impl(q, k, v, layout) -> (out in q's dtype, lse in fp32+) and
+    backward_impl(q, k, v, out, lse, dout, layout) -> (dq, dk, dv); bytes sent go to `counter`."""
+
+    name: str
+    forward_impl: Callable[[Tensor, Tensor, Tensor, ShardLayout], tuple[Tensor, Tensor]]
+    backward_impl: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    counter: ByteCounter
+
+    # Autocast is switched off inside: the kernels pick their own precision (fp32+ accumulation).
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layout: ShardLayout) -> tuple[Tensor, Tensor]:
+        with torch.autocast(q.device.type, enabled=False):
+            return self.forward_impl(q, k, v, layout)
+
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, layout: ShardLayout,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        with torch.autocast(q.device.type, enabled=False):
+            return self.backward_impl(q, k, v, out, lse, dout.to(q.dtype).contiguous(), layout)
+
+
+class XAttnFunction(torch.autograd.Function):
+    """Saves q, k, v and (out, lse); backward hands them to the engine."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, engine: XAttnEngine, layout: ShardLayout) -> Tensor:
+        out, lse = engine.forward(q, k, v, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.engine, ctx.layout = engine, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.engine.backward(q, k, v, out, lse, dout, ctx.layout)
+        return dq, dk, dv, None, None
+
+
+def attend(
+    engine: XAttnEngine, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, *, q_sharded: bool,
+    key_padding_mask: Tensor | None, q_segment_ids: Tensor | None, kv_segment_ids: Tensor | None,
+    scale: float | None,
+) -> Tensor:
+    layout = make_layout(
+        q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, scale=scale, counter=engine.counter)
+    return XAttnFunction.apply(q, k, v, engine, layout)
