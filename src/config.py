@@ -36,6 +36,24 @@ class TextConfig:
 
 
 @dataclass
+class VideoConfig:
+    """The video-language model on top of CLIP (src/models/video_clip.py); read when data.frames > 0."""
+
+    head: str = "xattn"
+    frame_tokens: str = "patches"
+    text_queries: str = "all"
+    head_layers: int = 2
+    head_heads: int = 8
+    head_mlp_ratio: float = 4.0
+    head_ls_init: float = 0.0
+    head_impl: str = "lv_xattn"
+    head_recompute: bool = True
+    vision_trainable_blocks: int = -1
+    video_text_weight: float = 1.0
+    image_text_weight: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     embed_dim: int = 512
@@ -48,6 +66,8 @@ class ModelConfig:
     grad_checkpointing: bool = False
     linear: str = "standard"
     linear_backend: str = "cuda"
+    init_from: str | None = None
+    video: VideoConfig = field(default_factory=VideoConfig)
 
 
 @dataclass
@@ -75,6 +95,7 @@ class DataConfig:
     generate_train_samples: int = 0
     generate_eval_samples: int = 0
     generate_seed: int = 0
+    hflip: bool = True
 
 
 @dataclass
@@ -133,9 +154,14 @@ class TrainerConfig:
     resume: str | None = None
     run_dir: str | None = None
     device: str = "auto"
+    compile: bool = False
     dry_run: bool = False
     progress: bool = True
     eval: EvalConfig = field(default_factory=EvalConfig)
+    resume_required: bool = False
+    preempt_deadline_s: float = 120.0
+    max_nonfinite_steps: int | None = 20
+    sp_size: int = 1
 
 
 @dataclass

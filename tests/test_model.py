@@ -151,3 +151,14 @@ def test_block_has_openclip_names():
     names = {n for n, _ in Block(8, 2, 4.0, 0.0, False).named_parameters()}
     assert {"attn.in_proj_weight", "attn.out_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.bias",
             "ls_1.gamma", "ls_2.gamma", "ln_1.weight", "ln_2.bias"} <= names
+
+
+def test_patch_embedding_as_a_matmul_equals_the_convolution():
+    from src.models.vision import VisionTransformer
+
+    torch.manual_seed(0)
+    tower = VisionTransformer(64, 16, 48, 1, 4, 4.0, 32, 0.1, 0.0, False)
+    tower.init_weights()
+    images = torch.randn(2, 3, 64, 64)
+    expected = tower.conv1(images).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(tower.embed_patches(images), expected, rtol=1e-5, atol=1e-5)

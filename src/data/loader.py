@@ -19,11 +19,14 @@ reason; past `data.max_bad_fraction` the run stops with a message naming the wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import random
+import signal
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -51,11 +54,13 @@ def default_num_workers() -> int:
     return max(1, min(8, per_rank - 1))
 
 
-def decode_pixels(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
-    """An image sample to (3, size, size), or, with `frames` > 0, a packed clip to (frames, 3, size, size);
-    uint8. Raises KeyError when the sample has no image (or no frames)."""
+def decode_pixels(
+    sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, flip: bool = True
+) -> torch.Tensor:
+    """An image sample to (3, size, size), or, with `frames` > 0, a packed clip to (frames, 3, size, size),
+    randomly mirrored when `flip`; uint8. Raises KeyError when the sample has no image (or no frames)."""
     if frames:
-        return decode_clip(sample, frames, size, rng, scale_min)
+        return decode_clip(sample, frames, size, rng, scale_min, flip)
     return decode_image(image_bytes(sample), size, rng, scale_min)
 
 
@@ -84,6 +89,44 @@ def resolve_sources(cfg: DataConfig) -> tuple[list[list[str]], list[float]]:
             "use data.mode=resampled to mix sources by weight"
         )
     return sources, weights
+
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
+
+
+def shield_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`. Schedulers signal every process of a job (SLURM; torchrun signals each rank's
+    process group), but only the training process may act on SIGTERM / SIGUSR1: it finishes its step and writes a
+    checkpoint, which needs the batch its workers are making. So a worker keeps those signals blocked, and leaves
+    only on a SIGTERM from its parent (the DataLoader shutting it down)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # already blocked when started by start_workers()
+    parent = os.getppid()
+
+    def obey_parent_only() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=obey_parent_only, daemon=True).start()
+
+
+@contextlib.contextmanager
+def start_workers() -> Iterator[None]:
+    """Around iter(DataLoader(...)): the workers start with the stop signals blocked, so that none of them
+    reaches a worker before `shield_worker` runs; the training process gets its own once this ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def check_batch_size(batch_size: int, world_size: int) -> None:
+    if batch_size % world_size:
+        raise ValueError(
+            f"data.batch_size={batch_size} is not divisible by the world size {world_size}: the global batch is "
+            f"split evenly across ranks, so set data.batch_size to a multiple of {world_size}"
+        )
 
 
 class TrainStream(IterableDataset):
@@ -123,7 +166,8 @@ class TrainStream(IterableDataset):
             return None
         rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
         try:
-            pixels = decode_pixels(sample, self.cfg.frames, self.image_size, rng, self.cfg.crop_scale_min)
+            pixels = decode_pixels(sample, self.cfg.frames, self.image_size, rng, self.cfg.crop_scale_min,
+                                   self.cfg.hflip)
             return pixels, sample["txt"].decode("utf-8")
         except KeyError:
             bad.add("missing_image", url)
@@ -169,11 +213,7 @@ class TrainLoader:
         self, cfg: DataConfig, *, image_size: int, context_length: int, seed: int, rank: int = 0,
         world_size: int = 1, pin_memory: bool = False,
     ):
-        if cfg.batch_size % world_size:
-            raise ValueError(
-                f"data.batch_size={cfg.batch_size} is not divisible by the world size {world_size}: "
-                "the global batch is split evenly across ranks"
-            )
+        check_batch_size(cfg.batch_size, world_size)
         if cfg.mode not in MODES:
             raise ValueError(f"data.mode={cfg.mode!r} is not one of {', '.join(MODES)}")
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -205,11 +245,13 @@ class TrainLoader:
         workers = self.cfg.num_workers
         # Its own generator: otherwise starting the workers draws from the global RNG, and a resumed run
         # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
-        return iter(DataLoader(
+        loader = DataLoader(
             stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
-            persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+            persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None, worker_init_fn=shield_worker,
             generator=torch.Generator().manual_seed(self.kwargs["seed"]),
-        ))
+        )
+        with start_workers():
+            return iter(loader)
 
     def __iter__(self) -> Iterator[dict]:
         return self
@@ -311,4 +353,7 @@ def eval_batches(
     shards = expand_shards(pattern, key="data.eval_shards")
     stream = EvalStream(shards, batch_size=batch_size, image_size=image_size, context_length=context_length,
                         frames=frames)
-    return iter(DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(shards))))
+    loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(shards)),
+                        worker_init_fn=shield_worker)
+    with start_workers():
+        return iter(loader)

@@ -24,6 +24,9 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 log = logging.getLogger(__name__)
 
 Tag = tuple[int, int]  # (shard index in the epoch's sequence, sample index within that shard)
+# This many shards in a row without a single sample is not a dataset with some bad shards but one that cannot be
+# reached (a directory without permission, expired credentials): the reader stops instead of spinning forever.
+MAX_DEAD_SHARDS = 100
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Reader:
     def samples(self, start: Position) -> Iterator[dict]:
         """Endless samples from `start`."""
         pos = start
+        dead = 0  # shards in a row that gave no sample
         while True:
             urls = self.shards_of_epoch(pos.epoch)
             rng = random.Random(f"{self.rng_seed}-{pos.epoch}")
@@ -125,7 +129,9 @@ class Reader:
             shard, offset, taken = pos.shard, pos.offset, pos.taken
             if not pos.draining:
                 while shard < len(urls) and (self.quota is None or taken < self.quota):
-                    for index, sample in enumerate(read_shard(urls[shard], self.bad, self.retries)):
+                    url, empty = urls[shard], True
+                    for index, sample in enumerate(read_shard(url, self.bad, self.retries)):
+                        empty = False
                         if index < offset:
                             continue
                         offset, taken = index + 1, taken + 1
@@ -141,6 +147,14 @@ class Reader:
                             break
                     else:
                         shard, offset = shard + 1, 0
+                        dead = dead + 1 if empty else 0
+                        if dead == MAX_DEAD_SHARDS:
+                            raise RuntimeError(
+                                f"{dead} shards in a row gave no sample, the last {url}: the data cannot be reached "
+                                "(deleted, no read permission, a failing pipe: command) or is not tar files; skipped "
+                                f"so far: {dict(self.bad.counts)}. Restore access to the shards (check them with "
+                                "scripts/inspect_shards.py), then continue with trainer.resume=latest"
+                            )
                 rng.shuffle(buffer)  # drained from the end: popping there is O(1)
             while buffer:
                 _, sample = buffer.pop()

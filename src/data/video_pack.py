@@ -18,7 +18,6 @@ import io
 import json
 import os
 
-import av
 from PIL import Image
 
 from src.data.shard_writer import PackSummary, Row, SampleError, write_shards
@@ -41,6 +40,8 @@ def clip_bounds(row: Row) -> tuple[float, float | None]:
 def decode_frames(path: str, start: float, end: float | None, frames: int):
     """The `frames` frames nearest to the segment centres of [start, end], decoded in one sequential pass.
     Returns (PIL images, their timestamps, fps, (width, height), clip end)."""
+    import av  # the `video` extra; image-only installs never call this
+
     with av.open(path) as container:
         stream = container.streams.video[0]
         stream.thread_type, stream.codec_context.thread_count = "SLICE", 1  # one video per process

@@ -15,7 +15,6 @@ import io
 import random
 import re
 
-import av
 import torch
 from torchvision.transforms.v2 import functional as TF
 
@@ -55,6 +54,8 @@ def segment_times(duration: float, frames: int, rng: random.Random | None) -> li
 def video_frames(data: bytes, frames: int, rng: random.Random | None) -> torch.Tensor:
     """(T, 3, H, W) uint8: the frame at or after each segment time. One seek to the keyframe before the first
     time, then decoding forward: targets only increase, and training clips are short."""
+    import av  # the `video` extra: only mp4-in-shard clips need PyAV, packed frames and images do not
+
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1  # PyAV's default (all cores) has deadlocked next to DataLoader
@@ -73,7 +74,9 @@ def video_frames(data: bytes, frames: int, rng: random.Random | None) -> torch.T
     return torch.stack(picked)
 
 
-def decode_clip(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
+def decode_clip(
+    sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, flip: bool = True
+) -> torch.Tensor:
     video = next((sample[ext] for ext in VIDEO_MEMBERS if ext in sample), None)
     if video is not None and not any(FRAME_MEMBER.match(name) for name in sample):
         clip = video_frames(video, frames, rng)
@@ -84,4 +87,5 @@ def decode_clip(sample: dict, frames: int, size: int, rng: random.Random | None,
         return crop(clip, size, None)
     height, width = clip.shape[-2:]
     clip = crop(clip, size, random_resized_crop_box(width, height, rng, (scale_min, 1.0)))
-    return clip.flip(-1) if rng.random() < 0.5 else clip
+    # A caption that names left or right is wrong for a mirrored clip: data.hflip=false turns flips off.
+    return clip.flip(-1) if flip and rng.random() < 0.5 else clip

@@ -55,13 +55,20 @@ class CLIP(nn.Module):
         features = self.visual(images)
         return F.normalize(features, dim=-1) if normalize else features
 
-    def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    def text_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, L, text width): every token's final hidden state."""
         x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
-        x = self.ln_final(self.transformer(x, causal=True))
+        return self.ln_final(self.transformer(x, causal=True))
+
+    def pool_text(self, x: torch.Tensor, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """The caption embedding from `text_tokens`' output: the end-of-text token's state, projected."""
         # The end-of-text token has the largest id in CLIP's vocabulary, so argmax finds it.
         pooled = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]
         features = pooled @ self.text_projection
         return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        return self.pool_text(self.text_tokens(tokens), tokens, normalize)
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor):
         return self.encode_image(images), self.encode_text(tokens), self.logit_scale.exp()

@@ -86,13 +86,19 @@ def _backward(
         dq = layout.all_reduce(dq.to(acc).contiguous(), "backward")
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    dk_sum, dv_sum = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+    # dK and dV are the size of the whole local shard, so their sums cost memory traffic at every step: the
+    # first term is taken as it is, and with two ranks (two terms) the one add rounds once in the input dtype,
+    # exactly as a float32 sum cast back would.
+    sums: list[Tensor] = []
 
     def compute(origin: int, message: list[Tensor]) -> list[Tensor]:
         q_j, dout_j, out_j, lse_j = message[:4]
         dq, dk, dv = block_backward(q_j, k, v, _visible(layout, message, 4), layout.scale, dout_j, out_j, lse_j)
-        dk_sum.add_(dk)
-        dv_sum.add_(dv)
+        if not sums:
+            sums.extend((dk, dv) if layout.world <= 2 else (dk.to(acc), dv.to(acc)))
+        else:
+            sums[0].add_(dk)
+            sums[1].add_(dv)
         return [dq.to(acc)]
 
     own = [q.contiguous(), dout, out, lse, *_ids(layout)]
@@ -102,7 +108,7 @@ def _backward(
         compute=compute,
         initial=lambda origin: [q.new_zeros((q.shape[0], q.shape[1], layout.q_lens[origin], q.shape[3]), dtype=acc)],
         merge=lambda a, b: [a[0] + b[0]])
-    return dq.to(q.dtype), dk_sum.to(k.dtype), dv_sum.to(v.dtype)
+    return dq.to(q.dtype), sums[0].to(k.dtype), sums[1].to(v.dtype)
 
 
 LV_XATTN = XAttnEngine("lv_xattn", _forward, _backward, BYTES_SENT)

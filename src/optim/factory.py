@@ -14,9 +14,15 @@ from src.optim.stable_adamw import StableAdamW
 OPTIMIZERS = ("adamw", "stable_adamw", "adamw8bit")
 
 
+def check_optimizer_name(name: str) -> None:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={name!r} is not a known optimizer: choose one of {', '.join(OPTIMIZERS)}")
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, *, per_tensor_skips: bool = False) -> torch.optim.Optimizer:
     """`per_tensor_skips` (the fixed fp16 scaler) needs our StableAdamW: with update clipping off
     (clip_threshold = inf) its update is AdamW's, bias correction and decoupled decay included."""
+    check_optimizer_name(cfg.name)
     groups = param_groups_for_weight_decay(model, cfg.weight_decay)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
@@ -28,9 +34,7 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, *, per_tensor_skips: boo
     if cfg.name == "stable_adamw":
         return StableAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                            clip_threshold=cfg.clip_threshold)
-    if cfg.name == "adamw8bit":
-        return build_adamw8bit(cfg, groups, model, per_tensor_skips)
-    raise ValueError(f"optim.name={cfg.name!r} is not a known optimizer: choose one of {', '.join(OPTIMIZERS)}")
+    return build_adamw8bit(cfg, groups, model, per_tensor_skips)  # the only name left
 
 
 def build_adamw8bit(cfg: OptimConfig, groups: list[dict], model: nn.Module, per_tensor_skips: bool):

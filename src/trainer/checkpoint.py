@@ -4,19 +4,32 @@ suffix is always complete, so a crash mid-save never produces a broken "latest".
 Layout of `checkpoints/step_00000500/`: `model.pt` and `train_state.pt` (optimizer, scheduler, step,
 ...) from rank 0, and `rank_R.pt` (RNG states, data position) from every rank. All files hold only
 tensors and plain Python types and load with `torch.load(weights_only=True)`.
+
+A write that fails (disk full, quota, permissions) removes its `.tmp` directory and raises on every rank;
+the previous checkpoint stays as it was. See docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import re
 import shutil
+from collections.abc import Callable
 
 import torch
 
-from src.trainer.distributed import barrier, broadcast_object
+from src.trainer import faults
+from src.trainer.distributed import any_rank, barrier, broadcast_object
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+DEBRIS = re.compile(r"^step_\d+\.(tmp|deleting)$")  # left by a save or a prune that was killed
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; nothing was renamed or pruned."""
 
 
 def step_dir(checkpoints: str, step: int) -> str:
@@ -37,9 +50,37 @@ def latest_checkpoint(checkpoints: str) -> str | None:
     return broadcast_object(found[-1] if found else None)
 
 
+def find_resume(checkpoints: str, resume: str | None, required: bool) -> str | None:
+    """The checkpoint directory `trainer.resume` names, or None to start from step 0. Cheap (no loading), so
+    a bad value fails before any expensive work."""
+    if not resume:
+        return None
+    path = latest_checkpoint(checkpoints) if resume == "latest" else resume
+    if path is None:
+        if required:
+            raise FileNotFoundError(
+                f"trainer.resume=latest but {checkpoints} holds no complete checkpoint, and "
+                "trainer.resume_required=true: set trainer.run_dir to the run to continue, or "
+                "trainer.resume_required=false to start from step 0"
+            )
+        return None
+    if not os.path.isfile(os.path.join(path, "model.pt")):
+        raise FileNotFoundError(
+            f"trainer.resume={resume!r}: {path!r} is not a checkpoint directory (it has no model.pt); "
+            "pass trainer.resume=latest or a checkpoints/step_N directory"
+        )
+    return path
+
+
 def fsync_save(obj, path: str) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as err:
+            # torch reports a failed write as its own error; the file's OSError (ENOSPC, ...) is its context.
+            if isinstance(err.__context__, OSError):
+                raise err.__context__ from None
+            raise
         f.flush()
         os.fsync(f.fileno())
 
@@ -58,36 +99,84 @@ def save_checkpoint(
     """`shared` maps file stem -> state, written by rank 0; `per_rank` is written by every rank."""
     final = step_dir(checkpoints, step)
     tmp = final + ".tmp"
-    if rank == 0:
+
+    def make_tmp() -> None:
         os.makedirs(checkpoints, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    barrier()
-    fsync_save(per_rank, os.path.join(tmp, f"rank_{rank}.pt"))
-    if rank == 0:
-        for stem, state in shared.items():
-            fsync_save(state, os.path.join(tmp, f"{stem}.pt"))
-    barrier()
+
+    def write_files() -> None:
+        if rank == 0:
+            faults.pause("save:start", step)
+        fsync_save(per_rank, os.path.join(tmp, f"rank_{rank}.pt"))
+        if rank == 0:
+            for stem, state in shared.items():
+                fsync_save(state, os.path.join(tmp, f"{stem}.pt"))
+                faults.pause(f"save:{stem}", step)
+
+    write_on_every_rank(make_tmp if rank == 0 else None, rank, checkpoints, tmp)
+    write_on_every_rank(write_files, rank, checkpoints, tmp)
     if rank == 0:
         if os.path.exists(final):  # saving the same step twice (e.g. the final save): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(checkpoints)
-        prune(checkpoints, keep_last_k)
+        faults.pause("save:renamed", step)
+        retire_old(checkpoints, keep_last_k)
+        faults.pause("prune", step)
+        remove_debris(checkpoints)
     barrier()
     return final
 
 
-def prune(checkpoints: str, keep_last_k: int) -> None:
-    """Remove all but the newest `keep_last_k`, only once the newest is complete. Renaming first means
-    a crash mid-delete leaves no half-deleted directory that looks complete."""
+def write_on_every_rank(write: Callable[[], None] | None, rank: int, checkpoints: str, tmp: str) -> None:
+    """Run this rank's part of a write, then learn whether any rank failed (which is also the barrier
+    between the phases of a save). On a failure the partial `tmp` goes and every rank raises."""
+    error = None
+    if write is not None:
+        try:
+            write()
+        except OSError as err:
+            error = err
+    if not any_rank(error is not None):
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = complete_checkpoints(checkpoints)
+    previous = f"the previous checkpoint {found[-1]} is intact" if found else "there is no earlier checkpoint"
+    hint = ""
+    if error is not None and error.errno in DISK_FULL:
+        hint = (f" The disk is full (or a quota or file-size limit was reached): free space under {checkpoints}, "
+                "or keep fewer checkpoints with a lower trainer.keep_last_k, then resume with trainer.resume=latest.")
+    raise CheckpointWriteError(
+        f"could not write checkpoint {tmp}: {error or 'another rank failed to write its part'}; removed the "
+        f"partial directory, nothing was pruned and {previous}.{hint}"
+    ) from error
+
+
+def retire_old(checkpoints: str, keep_last_k: int) -> None:
+    """Rename all but the newest `keep_last_k` to `.deleting`, only once the newest is complete: a crash
+    mid-delete then leaves no half-deleted directory that looks complete."""
     if keep_last_k <= 0:
         return
     for old in complete_checkpoints(checkpoints)[:-keep_last_k]:
-        doomed = old + ".deleting"
-        os.replace(old, doomed)
-        shutil.rmtree(doomed)
+        os.replace(old, old + ".deleting")
+
+
+def remove_debris(checkpoints: str) -> None:
+    """Delete retired checkpoints, and whatever a killed save or prune left behind."""
+    for name in os.listdir(checkpoints):
+        if DEBRIS.match(name):
+            shutil.rmtree(os.path.join(checkpoints, name))
 
 
 def load_file(directory: str, stem: str) -> dict:
-    return torch.load(os.path.join(directory, f"{stem}.pt"), map_location="cpu", weights_only=True)
+    path = os.path.join(directory, f"{stem}.pt")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise pickle.UnpicklingError(
+            f"refusing to load {path}: it holds objects other than tensors and plain Python types, and "
+            "unpickling those could run arbitrary code. stableclip never writes such files: delete it, or "
+            "resume from another checkpoint with trainer.resume=PATH"
+        ) from err

@@ -8,6 +8,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
+
+# Control flags (a stop was requested, a checkpoint write failed) are agreed on over gloo, on the CPU, even
+# when training runs on NCCL: agreeing on them then never waits for the GPU. None: the default group (gloo).
+_flag_group = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,15 @@ def init_distributed(device_name: str) -> DistInfo:
     device = pick_device(device_name, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        timeout = timedelta(minutes=30)
+        store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store across the restarts of a group (--max-restarts): without a prefix of its own,
+        # a restarted group reads the dead group's addresses from it and cannot connect.
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        if backend == "nccl":
+            global _flag_group
+            _flag_group = dist.new_group(backend="gloo")
     return DistInfo(env_rank(), world_size, local_rank, device)
 
 
@@ -57,6 +70,15 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank; also a barrier. One all-reduce of a CPU integer."""
+    if not dist.is_initialized():
+        return flag
+    box = torch.tensor([int(flag)])
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=_flag_group)
+    return bool(box.item())
 
 
 def barrier() -> None:
@@ -69,25 +91,26 @@ class _AllGather(torch.autograd.Function):
     of its own rows (all-reduce then slice, which gloo supports, unlike reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.rows = x.shape[0]
-        out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.rows, ctx.group = x.shape[0], group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
-        dist.all_reduce(grad)
-        start = dist.get_rank() * ctx.rows
-        return grad[start : start + ctx.rows]
+        dist.all_reduce(grad, group=ctx.group)
+        start = dist.get_rank(ctx.group) * ctx.rows
+        return grad[start : start + ctx.rows], None
 
 
-def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `x` along dim 0 (equal sizes); gradients flow back to each rank's rows."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate the `x` of every rank of `group` (default: all ranks) along dim 0 (equal sizes); gradients
+    flow back to each rank's rows."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return x
-    return _AllGather.apply(x)
+    return _AllGather.apply(x, group)
 
 
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,18 @@ from src.jsonl import iter_jsonl
 log = logging.getLogger(__name__)
 
 
-def truncate_jsonl(path: str, after_step: int) -> None:
-    """Drop lines logged after `after_step`: a resumed run logs those steps again, exactly once."""
+def truncate_jsonl(path: str, start_step: int, keep_eval: bool) -> None:
+    """Keep only what a run resumed at `start_step` will not log again: the steps before it, and, with
+    `keep_eval`, evaluations at `start_step` itself (they ran before that step's checkpoint was written; a stop
+    signal can defer one to the resumed run instead). So each step is logged once."""
     if not os.path.exists(path):
         return
-    kept = [record for _, record in iter_jsonl(path) if record.get("step", -1) <= after_step]
+    with open(path, "rb+") as f:  # a crash mid-write can leave a torn last line: cut it off
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+    kept = [record for _, record in iter_jsonl(path) if record.get("step", -1) < start_step
+            or (keep_eval and record.get("step") == start_step and any(key.startswith("eval/") for key in record))]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(record) + "\n" for record in kept)
@@ -37,7 +44,7 @@ def jsonable(value):
 class MetricLogger:
     def __init__(
         self, run_dir: str, cfg: LoggerConfig, *, enabled: bool, config: dict, start_step: int,
-        max_steps: int, progress: bool,
+        max_steps: int, progress: bool, repeat_eval: bool = False,
     ):
         self.enabled = enabled
         self.run_dir = run_dir
@@ -48,7 +55,7 @@ class MetricLogger:
         self.files = {}
         for name in ("metrics.jsonl", "spikes.jsonl"):
             path = os.path.join(run_dir, name)
-            truncate_jsonl(path, start_step - 1)
+            truncate_jsonl(path, start_step, keep_eval=not repeat_eval)
             self.files[name] = open(path, "a")
         if cfg.wandb:
             self.wandb_run = self._init_wandb(cfg, config)

@@ -12,9 +12,12 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from src.config import ModelConfig, TrainConfig
 from src.data.loader import default_num_workers
 from src.data.synthetic_shapes import make_synthetic_shapes
+from src.data.synthetic_videos import make_synthetic_video_shards
 from src.models.clip import build_model, count_parameters
 from src.trainer.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
+from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
+from src.trainer.video_trainer import VideoTrainer
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,11 @@ def resolve(dict_cfg: DictConfig) -> TrainConfig:
 def ensure_synthetic_data(cfg: TrainConfig, is_main: bool) -> None:
     if not cfg.data.generate:
         return
-    if is_main and not os.path.isfile(os.path.join(os.path.dirname(cfg.data.eval_shards), "classes.json")):
-        make_synthetic_shapes(
+    # Each generator writes this file beside the held-out shards last, when the dataset is complete.
+    marker = "sizes.json" if cfg.data.frames else "classes.json"
+    make = make_synthetic_video_shards if cfg.data.frames else make_synthetic_shapes
+    if is_main and not os.path.isfile(os.path.join(os.path.dirname(cfg.data.eval_shards), marker)):
+        make(
             cfg.data.shards, cfg.data.eval_shards, cfg.data.generate_train_samples,
             cfg.data.generate_eval_samples, size=cfg.model.vision.image_size, seed=cfg.data.generate_seed,
         )
@@ -65,11 +71,12 @@ def run(dict_cfg: DictConfig) -> None:
     try:
         run_dir = HydraConfig.get().runtime.output_dir if dist_info.is_main else None
         cfg.trainer.run_dir = run_dir = broadcast_object(run_dir)
+        preflight(cfg, dist_info, run_dir)
         if dist_info.is_main:
             os.makedirs(run_dir, exist_ok=True)
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
             log.info("run directory: %s (command: %s)", run_dir, " ".join(sys.argv))
         ensure_synthetic_data(cfg, dist_info.is_main)
-        Trainer(cfg, run_dir, dist_info).fit()
+        (VideoTrainer if cfg.data.frames else Trainer)(cfg, run_dir, dist_info).fit()
     finally:
         destroy()

@@ -17,15 +17,18 @@ from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
 from src.models.clip import build_model
+from src.models.parallelize import apply_compile
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import build_scaler
-from src.trainer import checkpoint
+from src.trainer import checkpoint, faults
 from src.trainer.distributed import DistInfo, all_reduce_mean, barrier
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
+from src.trainer.preemption import Preemption
+from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,13 @@ class Trainer:
                 + ", ".join(AUTOCAST_DTYPES)
             )
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
+        self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
         self.check_config()
         # Same seed on every rank for identical initial weights; per-rank streams afterwards.
         torch.manual_seed(cfg.trainer.seed)
         self.model = self.build_model()
+        if cfg.trainer.compile:
+            apply_compile(self.model)
         torch.manual_seed(cfg.trainer.seed + dist_info.rank)
         random.seed(cfg.trainer.seed + dist_info.rank)
         np.random.seed(cfg.trainer.seed + dist_info.rank)
@@ -92,12 +98,15 @@ class Trainer:
         self.patch_embed = dict(self.model.named_parameters())[self.patch_embed_name]
         self.spikes = SpikeDetector(cfg.spikes)
         self.step = 0
+        self.nonfinite_streak = 0  # skipped steps in a row
+        self.eval_pending = False  # a stop signal came before this step's evaluation
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         if cfg.trainer.resume:
             self.resume(cfg.trainer.resume)
         self.metrics = MetricLogger(
             run_dir, cfg.logger, enabled=dist_info.is_main, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
             start_step=self.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
+            repeat_eval=self.eval_pending,
         )
 
     # Hooks a specialised trainer (e.g. video fine-tuning) overrides; the loop, precision, logging and
@@ -112,7 +121,10 @@ class Trainer:
             )
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.cfg.model, self.device)
+        model = build_model(self.cfg.model, self.device)
+        if self.cfg.model.init_from:
+            log.info("model weights from %s", load_pretrained(model, self.cfg.model.init_from))
+        return model
 
     def build_loader(self) -> TrainLoader:
         cfg = self.cfg
@@ -137,8 +149,9 @@ class Trainer:
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Forward, backward, update. Returns device tensors only: nothing here waits for the device."""
         with self.autocast():
-            loss = self.forward_loss(batch)
+            loss = faults.corrupt_loss(self.step, self.forward_loss(batch))
         self.scaler.scale(loss).backward()
+        faults.corrupt_grad(self.step, self.model)
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm(grads, self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
@@ -150,6 +163,8 @@ class Trainer:
         values = {"loss": loss.detach(), "grad_norm": grad_norm, "skipped_step": found_inf,
                   "logit_scale": self.model.logit_scale.detach().exp()}
         values.update(self.rms_metrics(len(grads), found_inf))
+        if self.scaler.skips_tensors:  # every tensor skipping its own update applies nothing either
+            values["skipped_step"] = (values["skipped_tensors"] >= len(grads)).float()
         scale = self.scaler.current_scale()
         if scale is not None:
             values["scale"] = scale.detach().clone()
@@ -175,22 +190,50 @@ class Trainer:
         end = cfg.max_steps if cfg.stop_at_step is None else min(cfg.stop_at_step, cfg.max_steps)
         pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         window_start, window_steps = time.perf_counter(), 0
+        if self.eval_pending:
+            self.run_eval()
+            self.eval_pending = False
         while self.step < end:
             batch = next(self.loader)
             lr = self.scheduler.get_last_lr()[0]
             pending.append((self.step, lr, self.train_step(batch)))
             self.step += 1
             window_steps += 1
-            if self.step % cfg.log_every == 0 or self.step == end:
+            faults.pause("step", self.step)
+            stop = self.preemption.requested()
+            if stop or self.step % cfg.log_every == 0 or self.step == end:
                 elapsed = time.perf_counter() - window_start
                 self.flush_metrics(pending, self.cfg.data.batch_size * window_steps / elapsed)
                 pending, window_start, window_steps = [], time.perf_counter(), 0
+                self.check_nonfinite()
             evaluate_now = cfg.eval.every > 0 and self.step % cfg.eval.every == 0
-            if self.cfg.data.eval_shards and (evaluate_now or self.step == cfg.max_steps):
+            evaluate_now = bool(self.cfg.data.eval_shards) and (evaluate_now or self.step == cfg.max_steps)
+            if stop:
+                # The evaluation can take long: the resumed run does it first instead.
+                self.eval_pending = evaluate_now
+                self.save()
+                received = self.preemption.received
+                cause = received.name if received else "a signal to another rank"
+                self.metrics.message(f"stopped at step {self.step} on {cause}; continue with trainer.resume=latest")
+                break
+            if evaluate_now:
                 self.run_eval()
             if (cfg.ckpt_every > 0 and self.step % cfg.ckpt_every == 0) or self.step == end:
                 self.save()
         self.metrics.close()
+
+    def check_nonfinite(self) -> None:
+        """Skipped steps change no weight, so the weights now are those of the last good update: save them."""
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if limit is None or self.nonfinite_streak <= limit:
+            return
+        self.save()
+        raise RuntimeError(
+            f"the last {self.nonfinite_streak} steps had non-finite gradients and were skipped, more than "
+            f"trainer.max_nonfinite_steps={limit}: stopping. The checkpoint of step {self.step} holds the weights "
+            f"as they were after step {self.step - self.nonfinite_streak}. Lower optim.lr, try optim=stable_adamw "
+            "or check the data near this step, then continue with trainer.resume=latest"
+        )
 
     def flush_metrics(self, pending: list, samples_per_s: float) -> None:
         """The one host sync of a logging window: all of its per-step values come over at once."""
@@ -202,6 +245,9 @@ class Trainer:
             record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
             record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
             record.update({f"data/bad/{reason}": n for reason, n in bad_data.items()})
+            self.nonfinite_streak = self.nonfinite_streak + 1 if record["train/skipped_step"] else 0
+            if self.nonfinite_streak and self.dist.is_main:
+                log.warning("step %d: non-finite gradients, update skipped (%d in a row)", step, self.nonfinite_streak)
             if self.dist.is_main and self.cfg.spikes.enabled:
                 record.update(self.detect_spikes(step, record))
             self.metrics.log(step, record)
@@ -229,6 +275,7 @@ class Trainer:
     def run_eval(self) -> None:
         """On rank 0 only, on the unwrapped model; the other ranks wait."""
         if self.dist.is_main:
+            faults.pause("eval", self.step)
             cfg = self.cfg
             results = evaluate(
                 self.model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
@@ -236,12 +283,15 @@ class Trainer:
                 num_workers=cfg.data.num_workers, device=self.device, prepare_images=self.normalize,
                 autocast=self.autocast, zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
             )
-            self.metrics.log(self.step, results)
-            self.metrics.flush(self.step, {})
-            self.metrics.message(
-                f"step {self.step} eval: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in results.items())
-            )
+            self.log_eval(results)
         barrier()
+
+    def log_eval(self, results: dict[str, float]) -> None:
+        self.metrics.log(self.step, results)
+        self.metrics.flush(self.step, {})
+        self.metrics.message(
+            f"step {self.step} eval: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in results.items())
+        )
 
     def save(self) -> None:
         shared = {
@@ -249,7 +299,8 @@ class Trainer:
             "train_state": {
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "world_size": self.dist.world_size, "scaler": self.scaler.state_dict(),
-                "spikes": self.spikes.state_dict(),
+                "spikes": self.spikes.state_dict(), "nonfinite_streak": self.nonfinite_streak,
+                "eval_pending": self.eval_pending,
             },
         }
         per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
@@ -260,15 +311,10 @@ class Trainer:
         self.metrics.message(f"saved checkpoint {path}")
 
     def resume(self, resume: str) -> None:
-        path = checkpoint.latest_checkpoint(self.checkpoints) if resume == "latest" else resume
+        path = checkpoint.find_resume(self.checkpoints, resume, self.cfg.trainer.resume_required)
         if path is None:
             log.info("trainer.resume=latest: no checkpoint in %s yet, starting from step 0", self.checkpoints)
             return
-        if not os.path.isfile(os.path.join(path, "model.pt")):
-            raise FileNotFoundError(
-                f"trainer.resume={resume!r}: {path!r} is not a checkpoint directory (it has no model.pt); "
-                "pass trainer.resume=latest or a checkpoints/step_N directory"
-            )
         rank_file = os.path.join(path, f"rank_{self.dist.rank}.pt")
         if not os.path.isfile(rank_file):
             raise FileNotFoundError(
@@ -282,6 +328,9 @@ class Trainer:
         self.step = state["step"]
         self.scaler.load_state_dict(state["scaler"])
         self.spikes.load_state_dict(state["spikes"])
+        # Checkpoints written before these keys existed had neither.
+        self.nonfinite_streak = state.get("nonfinite_streak", 0)
+        self.eval_pending = state.get("eval_pending", False)
         mine = checkpoint.load_file(path, f"rank_{self.dist.rank}")
         self.loader.load_state_dict(mine["data"])
         set_rng_state(mine["rng"])

@@ -138,8 +138,12 @@ if triton is not None:
         x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _quantize_values(x, amax, FP8)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
-        if TRANSPOSE:  # stored as a transposed tile, so that neighbouring threads write neighbouring bytes
-            tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        if TRANSPOSE:
+            # The tile read again in transposed order (W is small) rather than tl.trans of 8-bit values, which
+            # gave wrong bytes on an H200; the stores stay contiguous along qᵀ's rows.
+            mask_t = (cols[:, None] < C) & (rows[None, :] < R)
+            xt = tl.load(x_ptr + rows[None, :] * C + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+            tl.store(qt_ptr + cols[:, None] * R + rows[None, :], _quantize_values(xt, amax, FP8), mask=mask_t)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, _dequantize_scale(amax, FP8))
 

@@ -1,0 +1,242 @@
+"""Training throughput of our Trainer's step, and OpenCLIP's step measured in the same call.
+
+    python bench/throughput.py --model vit_b32 --batch 1024 [--set trainer.compile=true ...]
+        [--end-to-end] [--peer .bench-peer/openclip_step.py] [--json out.json]
+
+Each configuration builds the real `Trainer` (the code `train.py` runs) and times `Trainer.train_step`:
+- compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
+- `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
+  (`--shards-dir`, `--samples`).
+It reports samples/s (median step time), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of
+the model, so compilation does not hide any op) and their share of a bf16 matmul measured in the same run,
+and peak memory. `--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the
+same model and batch and prints our rate over its rate. `--device cpu` makes it a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from src.config import register_configs  # noqa: E402
+from src.data.loader import default_num_workers  # noqa: E402
+from src.data.synthetic_shapes import make_synthetic_shapes  # noqa: E402
+from src.models.clip import build_model  # noqa: E402
+from src.trainer.distributed import DistInfo  # noqa: E402
+from src.trainer.loss import clip_loss  # noqa: E402
+from src.trainer.trainer import Trainer  # noqa: E402
+
+OPENCLIP_NAMES = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14", "vit_huge": "ViT-H-14"}
+
+
+class OnDeviceBatches:
+    """The loader of a compute-only run: one fixed batch, already on the device."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]):
+        self.batch = batch
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return self.batch
+
+
+class ComputeOnlyTrainer(Trainer):
+    def build_loader(self) -> OnDeviceBatches:
+        cfg, device = self.cfg, self.device
+        size = cfg.model.vision.image_size
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        images = torch.randint(0, 256, (cfg.data.batch_size, 3, size, size), dtype=torch.uint8, generator=generator)
+        batch, context = cfg.data.batch_size, cfg.model.text.context_length
+        tokens = torch.randint(1, 49406, (batch, context), generator=generator)
+        # Captions of different lengths: end of text at a random position, zero padding after it, as tokenized.
+        ends = torch.randint(2, context, (batch,), generator=generator)
+        positions = torch.arange(context)
+        tokens[positions > ends[:, None]] = 0
+        tokens[positions == ends[:, None]] = 49407
+        return OnDeviceBatches({"images": images.to(device), "tokens": tokens.to(device)})
+
+
+def compose_config(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
+def step_flops(cfg) -> int:
+    """FLOPs of one training step (forward + backward) of the model, counted on the meta device."""
+    model = build_model(cfg.model, "meta")
+    batch, size = cfg.data.batch_size, cfg.model.vision.image_size
+    images = torch.empty(batch, 3, size, size, device="meta")
+    tokens = torch.zeros(batch, cfg.model.text.context_length, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        image_features, text_features, logit_scale = model(images, tokens)
+        clip_loss(image_features, text_features, logit_scale).backward()
+    return counter.get_total_flops()
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float | None:
+    """bf16 TFLOP/s of one large matmul: the ceiling a training step's share is measured against."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    seconds = median_seconds(lambda: a @ b, iters=20, warmup=5, device=device)
+    return 2 * 8192**3 / seconds / 1e12
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, iters: int, warmup: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -> float:
+    def step():
+        trainer.train_step(next(trainer.loader))
+
+    seconds = median_seconds(step, iters=args.steps, warmup=args.warmup, device=device)
+    if end_to_end:  # a median hides loader stalls: the mean over a window of consecutive steps does not
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        synchronize(device)
+        seconds = max(seconds, (time.perf_counter() - start) / args.steps)
+    return seconds
+
+
+def print_profile(trainer: Trainer, rows: int, device: torch.device) -> None:
+    """The kernels that take the time of three steps, most expensive first: what to speed up next."""
+    activity = torch.profiler.ProfilerActivity
+    activities = [activity.CPU] + ([activity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(3):
+            trainer.train_step(next(trainer.loader))
+        synchronize(device)
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60), flush=True)
+
+
+def make_shards(directory: str, samples: int, image_size: int) -> str:
+    """JPEG shards of generated images, larger than the model's input so the loader really crops."""
+    pattern = os.path.join(directory, "train", "train-{000000..000031}.tar")
+    if not os.path.isfile(os.path.join(directory, "train", "sizes.json")):
+        make_synthetic_shapes(pattern, os.path.join(directory, "eval", "eval-000000.tar"), samples, 32,
+                              size=image_size * 8 // 7)
+    return pattern
+
+
+def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None) -> dict:
+    device = torch.device(args.device)
+    run_dir = tempfile.mkdtemp(prefix="throughput-")
+    base = [f"model={args.model}", "precision=bf16", "optim=adamw", "logger=none", f"data.batch_size={args.batch}",
+            f"trainer.device={args.device}", "trainer.progress=false", f"trainer.run_dir={run_dir}"]
+    base += ["data=laion_wds", "data.mode=resampled"] if end_to_end else ["data=synthetic_shapes",
+                                                                          "data.generate=false"]
+    cfg = compose_config(base + overrides)
+    if end_to_end:
+        cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
+        cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
+    trainer_class = Trainer if end_to_end else ComputeOnlyTrainer
+    trainer = trainer_class(cfg, run_dir, DistInfo(0, 1, 0, device))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = time_steps(trainer, args, device, end_to_end)
+    if args.profile:
+        print_profile(trainer, args.profile, device)
+    flops = step_flops(cfg)
+    result = {
+        "impl": "stableclip", "model": args.model, "batch": args.batch, "overrides": overrides,
+        "end_to_end": end_to_end, "samples_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
+        "tflops": flops / seconds / 1e12,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+    if ceiling:
+        result["share_of_matmul_ceiling"] = result["tflops"] / ceiling
+    trainer.metrics.close()
+    del trainer
+    gc.collect()  # ends the loader's worker processes before the next configuration
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_peer(args) -> dict:
+    out = os.path.join(tempfile.mkdtemp(prefix="peer-"), "peer.json")
+    command = [sys.executable, args.peer, "--model", OPENCLIP_NAMES[args.model], "--batch", str(args.batch),
+               "--steps", str(args.steps), "--json", out]
+    subprocess.run(command, check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="vit_b32", help="a configs/model/ name")
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--set", action="append", default=[], metavar="OVERRIDES",
+                        help="a configuration to measure, as space-separated Hydra overrides ('' = defaults); "
+                             "repeat to measure several in one run")
+    parser.add_argument("--end-to-end", action="store_true", help="also time each configuration on the real loader")
+    parser.add_argument("--shards-dir", default=os.path.join(tempfile.gettempdir(), "throughput-shards"))
+    parser.add_argument("--samples", type=int, default=20000, help="images written for --end-to-end")
+    parser.add_argument("--peer", help="path of OpenCLIP's openclip_step.py, run in this call")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after timing, print the ROWS most expensive ops of three profiled steps")
+    parser.add_argument("--json", help="write every result here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as the peer script does
+    ceiling = matmul_ceiling_tflops(device)
+    rows = []
+    peer = run_peer(args) if args.peer else None
+    for setting in args.set or [""]:
+        overrides = setting.split()
+        for end_to_end in (False, True) if args.end_to_end else (False,):
+            row = measure(args, overrides, end_to_end, ceiling)
+            if peer:
+                row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
+                row["peak_vs_openclip"] = row["peak_gib"] / peer["peak_gib"] if row["peak_gib"] else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "matmul_ceiling_tflops": ceiling, "peer": peer, "rows": rows}
+    if peer:
+        print(json.dumps({"peer": peer}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

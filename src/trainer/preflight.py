@@ -1,0 +1,52 @@
+"""Configuration checks that run before any expensive work (data generation, model weights, loader workers,
+checkpoint loading). Every problem is reported at once, each naming its key and the fix."""
+
+from __future__ import annotations
+
+import os
+
+from src.config import ModelConfig, TrainConfig
+from src.data.loader import check_batch_size
+from src.models.switchback.convert import check_linear_choice
+from src.optim.factory import check_optimizer_name
+from src.trainer import checkpoint
+from src.trainer.distributed import DistInfo
+
+
+def check_heads(model: ModelConfig) -> None:
+    bad = [f"model.{name}.width={tower.width} is not divisible by model.{name}.heads={tower.heads}"
+           for name, tower in (("vision", model.vision), ("text", model.text))
+           if tower.heads < 1 or tower.width % tower.heads]
+    if bad:
+        raise ValueError("; ".join(bad) + ": set heads to a divisor of the width (heads of 64 channels are usual)")
+
+
+def check_sp_size(sp_size: int, world_size: int) -> None:
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(
+            f"trainer.sp_size={sp_size} does not divide the world size {world_size}: a clip's frames are split "
+            f"over sp_size ranks, so set it to a divisor of {world_size}"
+        )
+
+
+def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
+    """Raises ValueError listing every problem. Collective (it finds the checkpoint to resume on rank 0)."""
+    model = cfg.model
+    checks = [
+        lambda: check_batch_size(cfg.data.batch_size, dist_info.world_size),
+        lambda: check_sp_size(cfg.trainer.sp_size, dist_info.world_size),
+        lambda: check_heads(model),
+        lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
+        lambda: check_optimizer_name(cfg.optim.name),
+        lambda: checkpoint.find_resume(
+            os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required
+        ),
+    ]
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except (ValueError, FileNotFoundError) as err:
+            problems.append(str(err))
+    if problems:
+        raise ValueError("the configuration cannot run:\n- " + "\n- ".join(problems))
