@@ -189,10 +189,10 @@ if triton is not None:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        # Dequantize as reference.int8_matmul_dequant does: acc · (scale_a · scale_b / 127²) + bias.
+        # Dequantize as reference.int8_matmul_dequant does: acc · (scale_a · scale_b · (1/127²)) + bias.
         sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
         sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0) if SB_PER_COLUMN else tl.load(sb_ptr)
-        scale = tl.math.div_rn(sa[:, None] * sb, 16129.0)
+        scale = sa[:, None] * sb * (1.0 / 16129.0)
         out = acc.to(tl.float32) * scale
         if HAS_BIAS:
             out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]

@@ -49,7 +49,9 @@ def int8_matmul_dequant(
     # float32 sums of int8 products are exact while every partial sum stays below 2^24; beyond, use float64.
     exact = torch.float32 if qa.shape[1] * INT8_MAX * INT8_MAX < 2**24 else torch.float64
     acc = qa.to(exact) @ qb_t.to(exact)
-    out = acc.float() * (scale_a * scale_b / (INT8_MAX * INT8_MAX))
+    # A multiply by the constant 1/127², not a division: PyTorch's CUDA kernels turn a division by a scalar
+    # into a multiply by its reciprocal, so that is the arithmetic every device can repeat exactly.
+    out = acc.float() * (scale_a * scale_b * (1.0 / (INT8_MAX * INT8_MAX)))
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
