@@ -1,13 +1,13 @@
 """The fused Triton step of StableAdamW against its foreach path, on the CPU through Triton's interpreter
-(tests/triton_interpreter.py says how). Tests on CUDA are in tests/gpu/."""
+(tests/interpreter_harness.py says how). Tests on CUDA are in tests/gpu/."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
+from interpreter_harness import INTERPRETED, ROOT, interpreted, run_under_interpreter
 from test_stable_adamw import make_params, random_grads, set_grads, snapshot
-from triton_interpreter import INTERPRETED, ROOT, interpreted, run_under_interpreter
 
 from src.optim import stable_adamw, stable_adamw_triton
 from src.optim.stable_adamw import StableAdamW

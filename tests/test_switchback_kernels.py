@@ -1,10 +1,10 @@
 """SwitchBack's Triton kernels against the reference path, on the CPU through Triton's interpreter
-(tests/triton_interpreter.py says how): the quantized values and scales are bit for bit those of
+(tests/interpreter_harness.py says how): the quantized values and scales are bit for bit those of
 reference.py, and the int8 matmul's float32 output too. The GPU check is tests/gpu/test_switchback_cuda.py."""
 
 import pytest
 import torch
-from triton_interpreter import INTERPRETED, interpreted, run_under_interpreter
+from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
 
 from src.models.switchback import reference as ref
 from src.models.switchback import switchback_linear
