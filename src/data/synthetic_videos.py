@@ -26,11 +26,6 @@ from src.data.video_pack import pack_videos
 SHAPES = ("circle", "square", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 CAPTIONS = ("a {c} {s} moving {d}", "a {c} {s} that moves {d}", "{c} {s} going {d} on a {b} background")
-# Share of the frame the shapes of the fine-tuning dataset cross. Crossing all of it through the middle, a
-# horizontal path covers other positions than a vertical one, and averaged frames then give the axis of motion
-# away (a mean-pooling model tells horizontal from vertical 85% of the time), which leaves the order of the frames
-# only left-or-right to decide (docs/video.md).
-TRAVEL = 0.4
 
 
 def draw_frame(size: int, background, colour, shape: str, cx: float, cy: float, r: float) -> np.ndarray:
@@ -45,10 +40,9 @@ def draw_frame(size: int, background, colour, shape: str, cx: float, cy: float, 
     return np.asarray(image)
 
 
-def write_clip(path: str, seed: int, frames: int, size: int, fps: int, travel: float = 1.0) -> dict:
-    """Encode one clip (H.264 in mp4, via a temporary name) and return its caption row. The shape's centre
-    moves `travel` times the distance from one edge to the other: at 1 from edge to edge through the middle,
-    below 1 along a shorter path at a random place."""
+def write_clip(path: str, seed: int, frames: int, size: int, fps: int, anywhere: bool = False) -> dict:
+    """Encode one clip (H.264 in mp4, via a temporary name) and return its caption row. The shape crosses the
+    frame from one edge to the other, along the middle row (or column), or with `anywhere` a random one."""
     import av  # the `video` extra; image-only installs never call this
 
     rng = random.Random(seed)
@@ -56,17 +50,13 @@ def write_clip(path: str, seed: int, frames: int, size: int, fps: int, travel: f
     background, direction = rng.choice(list(BACKGROUNDS)), rng.choice(list(DIRECTIONS))
     dx, dy = DIRECTIONS[direction]
     r = rng.uniform(0.1, 0.16) * size
-    span = size - 2 * r  # the centre's range: the shape stays inside the frame
+    travel = size - 2 * r  # the shape crosses the frame from one edge to the other
     fill, back = jitter(COLOURS[colour], rng), jitter(BACKGROUNDS[background], rng)
-    length = travel * span
-    along, across = 0.0, span / 2
-    if travel < 1:
-        # Which positions a short path covers then says almost nothing about its direction, so a model that
-        # averages frames cannot read even the axis of motion from them.
-        along, across = rng.uniform(0, span - length), rng.uniform(0, span)
-    start = r + along
-    start_x = r + across if dx == 0 else (start if dx > 0 else size - start)
-    start_y = r + across if dy == 0 else (start if dy > 0 else size - start)
+    # Along the middle, every horizontal path covers the same positions and every vertical one others, so the
+    # average of the frames tells the axis of motion; at a random row or column it does not.
+    across = r + rng.uniform(0, travel) if anywhere else size / 2
+    start_x = across if dx == 0 else (r if dx > 0 else size - r)
+    start_y = across if dy == 0 else (r if dy > 0 else size - r)
     tmp = path + ".tmp.mp4"
     with av.open(tmp, mode="w") as container:
         stream = container.add_stream("libx264", rate=fps)
@@ -74,7 +64,7 @@ def write_clip(path: str, seed: int, frames: int, size: int, fps: int, travel: f
         stream.pix_fmt = "yuv420p"
         for i in range(frames):
             t = i / (frames - 1)
-            frame = draw_frame(size, back, fill, shape, start_x + dx * length * t, start_y + dy * length * t, r)
+            frame = draw_frame(size, back, fill, shape, start_x + dx * travel * t, start_y + dy * travel * t, r)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     os.replace(tmp, path)
@@ -83,17 +73,16 @@ def write_clip(path: str, seed: int, frames: int, size: int, fps: int, travel: f
 
 
 def make_synthetic_videos(
-    out_dir: str, clips: int, frames: int = 32, size: int = 64, fps: int = 16, seed: int = 0, travel: float = 1.0
+    out_dir: str, clips: int, frames: int = 32, size: int = 64, fps: int = 16, seed: int = 0, anywhere: bool = False,
 ) -> str:
     """Write `clips` mp4 files and `captions.csv` (path, caption, direction) to `out_dir`; returns the CSV path.
-    `travel` (0 < travel <= 1): the share of the frame each shape crosses (see `write_clip`)."""
-    if clips < 1 or frames < 2 or size < 16 or size % 2 or not 0 < travel <= 1:
-        raise ValueError(f"need clips >= 1, frames >= 2, an even size >= 16 and 0 < travel <= 1; got {clips}, "
-                         f"{frames}, {size}, {travel}")
+    `anywhere`: shapes cross the frame at a random row or column instead of the middle one (see `write_clip`)."""
+    if clips < 1 or frames < 2 or size < 16 or size % 2:
+        raise ValueError(f"need clips >= 1, frames >= 2 and an even size >= 16; got {clips}, {frames}, {size}")
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f"clip_{i:06d}.mp4") for i in range(clips)]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
-        jobs = [pool.submit(write_clip, p, seed * 1_000_003 + i, frames, size, fps, travel)
+        jobs = [pool.submit(write_clip, p, seed * 1_000_003 + i, frames, size, fps, anywhere)
                 for i, p in enumerate(paths)]
         rows = [job.result() for job in tqdm(jobs, desc="writing clips", unit="clip")]
     table = os.path.join(out_dir, "captions.csv")
@@ -105,7 +94,7 @@ def make_synthetic_videos(
     return table
 
 
-def pack_split(pattern: str, clips: int, *, frames: int, stored: int, size: int, seed: int, travel: float) -> None:
+def pack_split(pattern: str, clips: int, *, frames: int, stored: int, size: int, seed: int) -> None:
     """Write `clips` mp4 files to a temporary folder and pack them into the shards that `pattern` names,
     which must be DIR/{00000..N}.tar, the names scripts/pack_videos.py gives."""
     urls = expand_urls(pattern)
@@ -117,7 +106,8 @@ def pack_split(pattern: str, clips: int, *, frames: int, stored: int, size: int,
     if clips < len(urls):
         raise ValueError(f"{clips} clips cannot fill {len(urls)} shards: ask for more clips")
     with tempfile.TemporaryDirectory() as raw:
-        table = make_synthetic_videos(raw, clips, frames=frames, size=size, seed=seed, travel=travel)
+        # At a random row or column, so that averaging the frames tells nothing about the direction.
+        table = make_synthetic_videos(raw, clips, frames=frames, size=size, seed=seed, anywhere=True)
         summary = pack_videos(read_captions(table), raw, directory, frames=stored, short_side=size,
                               shard_size=math.ceil(clips / len(urls)))
     if summary.failures or summary.shards != len(urls):
@@ -127,12 +117,11 @@ def pack_split(pattern: str, clips: int, *, frames: int, stored: int, size: int,
 
 def make_synthetic_video_shards(
     train_pattern: str, eval_pattern: str, train_clips: int, eval_clips: int, size: int = 32, seed: int = 0,
-    frames: int = 32, stored: int = 16, travel: float = TRAVEL,
+    frames: int = 32, stored: int = 16,
 ) -> None:
     """The generated video dataset (data=synthetic_videos): train and held-out clips of `frames` frames
     (different seeds, so no clip is shared), each packed with `stored` frames at `size` pixels (at least 16,
     even). The held-out split is written last: its sizes.json marks the dataset complete."""
     size = max(16, size + size % 2)
-    pack_split(train_pattern, train_clips, frames=frames, stored=stored, size=size, seed=seed, travel=travel)
-    pack_split(eval_pattern, eval_clips, frames=frames, stored=stored, size=size, seed=seed + 1_000_003,
-               travel=travel)
+    pack_split(train_pattern, train_clips, frames=frames, stored=stored, size=size, seed=seed)
+    pack_split(eval_pattern, eval_clips, frames=frames, stored=stored, size=size, seed=seed + 1_000_003)

@@ -32,7 +32,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
@@ -55,6 +54,24 @@ class VideoTextOutput(NamedTuple):
     logit_scale: torch.Tensor
 
 
+class _AllReduce(torch.autograd.Function):
+    """Sum over the ranks of `group`. Backward sums every rank's gradient of the result, the exact adjoint, so
+    gradients stay exact when each rank computes its own copy of the loss (docs/video.md, "Parallelism")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def share(count: int, group: dist.ProcessGroup | None) -> slice:
     """This rank's contiguous share of `count` items split over `group` (earlier ranks get the remainder);
     everything without a group."""
@@ -68,9 +85,10 @@ def share(count: int, group: dist.ProcessGroup | None) -> slice:
 
 def temporal_init(frames: int, width: int) -> torch.Tensor:
     """(frames, width): the cosines of the DCT-II over the frames (frequencies 1 .. frames-1, cycled over the
-    channels), at unit scale per channel like the normalized frame tokens they are added to. Any weighting of the
-    frames over time, such as late minus early, is then a linear function of the embedding from the start; with a
-    random one the head took far longer to pick up the order of the frames (docs/video.md)."""
+    channels). Any weighting of the frames over time, such as late minus early, is then a linear function of the
+    embedding from the start. Unit scale per channel, like the normalized frame tokens it is added to: at the
+    image tower's position-embedding scale (width^-0.5) the order of the frames stayed too faint in the keys for
+    the head to learn it (docs/video.md)."""
     times = torch.arange(frames) + 0.5
     frequencies = 1 + torch.arange(width) % max(1, frames - 1)
     return 2 ** 0.5 * torch.cos(torch.pi * times[:, None] * frequencies[None] / frames)
@@ -158,8 +176,7 @@ class VideoCLIP(nn.Module):
         per_frame = F.normalize(tokens[:, 0] @ self.clip.visual.proj, dim=-1).view(batch, local, -1)
         frame_sum = per_frame.float().sum(dim=1)
         if group is not None:
-            # Its backward sums every rank's gradient of the sum, the exact adjoint (docs/video.md, gradients).
-            frame_sum = dist_fn.all_reduce(frame_sum, group=group)
+            frame_sum = _AllReduce.apply(frame_sum, group)
         video = F.normalize(frame_sum / self.frames, dim=-1)
         if self.head is None:
             return None, video

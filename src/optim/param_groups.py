@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 # 2-D tensors that are lookup tables or position codes, not linear maps: decay would only shrink them.
-NO_DECAY_NAMES = ("token_embedding", "positional_embedding", "class_embedding")
+NO_DECAY_NAMES = ("token_embedding", "positional_embedding", "class_embedding", "temporal_embedding")
 
 
 def decays(name: str, param: nn.Parameter) -> bool:
