@@ -120,18 +120,26 @@ class Trainer:
                 "experiment=video_finetune for video, or data.frames=0"
             )
 
+    def new_model(self) -> torch.nn.Module:
+        """The architecture, freshly initialised."""
+        return build_model(self.cfg.model, self.device)
+
+    def data_ranks(self) -> tuple[int, int]:
+        """(this rank, ranks) as the loader splits the data."""
+        return self.dist.rank, self.dist.world_size
+
     def build_model(self) -> torch.nn.Module:
-        model = build_model(self.cfg.model, self.device)
+        model = self.new_model()
         if self.cfg.model.init_from:
             log.info("model weights from %s", load_pretrained(model, self.cfg.model.init_from))
         return model
 
     def build_loader(self) -> TrainLoader:
         cfg = self.cfg
+        rank, world_size = self.data_ranks()
         return TrainLoader(
             cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-            seed=cfg.trainer.seed, rank=self.dist.rank, world_size=self.dist.world_size,
-            pin_memory=self.device.type == "cuda",
+            seed=cfg.trainer.seed, rank=rank, world_size=world_size, pin_memory=self.device.type == "cuda",
         )
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -18,12 +18,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from src.config import TrainConfig, VideoConfig
-from src.data.loader import TrainLoader
 from src.models.video_clip import VideoCLIP, VideoTextOutput, build_video_model
 from src.trainer.distributed import DistInfo, all_gather_with_grad, barrier
 from src.trainer.loss import clip_loss, pair_loss
 from src.trainer.mesh import Mesh
-from src.trainer.pretrained import load_pretrained
 from src.trainer.trainer import Trainer
 from src.trainer.video_eval import evaluate_video
 
@@ -75,20 +73,12 @@ class VideoTrainer(Trainer):
                              f"{self.mesh.sp_size}: the ranks of a sequence-parallel group score equal shares of the "
                              f"batch's captions; pick a multiple of {self.mesh.sp_size}")
 
-    def build_model(self) -> VideoCLIP:
-        model = build_video_model(self.cfg.model, self.cfg.data.frames, self.device)
-        if self.cfg.model.init_from:
-            log.info("model weights from %s", load_pretrained(model, self.cfg.model.init_from))
-        return model
+    def new_model(self) -> VideoCLIP:
+        return build_video_model(self.cfg.model, self.cfg.data.frames, self.device)
 
-    def build_loader(self) -> TrainLoader:
+    def data_ranks(self) -> tuple[int, int]:
         # The ranks of a sequence-parallel group read the same clips: the loader sees only data-parallel ranks.
-        cfg = self.cfg
-        return TrainLoader(
-            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-            seed=cfg.trainer.seed, rank=self.mesh.dp_rank, world_size=self.mesh.dp_size,
-            pin_memory=self.device.type == "cuda",
-        )
+        return self.mesh.dp_rank, self.mesh.dp_size
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         frames = self.normalize(batch["images"][:, self.frame_slice].to(self.device, non_blocking=True))
