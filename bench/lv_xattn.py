@@ -10,12 +10,15 @@ and visual features), S_Q in {1K, 4K}, S_KV in {64K, 256K, 1M} in total, split e
 layer is `CrossAttentionBlock` with recomputation on:
 - local:     no communication: every rank attends all S_Q queries to its own visual shard (same FLOPs per rank);
 - lv_xattn:  LV-XAttn ring, queries sharded (S_Q/P per rank);
+- lv_gather: LV-XAttn gather schedule, queries sharded: all-gathered, one kernel call per pass, reduce-scattered;
 - lv_allred: LV-XAttn with the queries on every rank, merged with all-reduces;
 - ring:      Ring-Attention, queries sharded, K/V rotating.
 The link mode is read from the NCCL variables the caller sets. The same run measures the link's bandwidth (a
 bidirectional send/recv), times the local attention kernels, and prints next to each measurement the time the
-communication formula predicts (docs/lv_xattn.md). Times are CUDA-event medians, the slowest rank's; a config
-whose estimated memory does not fit is skipped and listed. Prints a markdown table; --out writes JSON.
+communication formula predicts (docs/lv_xattn.md). Every config is measured once per `--kv-chunks` setting of
+the split-KV forward (default: `auto 1`, the automatic split and no split, side by side; each row's `kv_chunks`
+says which). Times are CUDA-event medians, the slowest rank's; a config whose estimated memory does not fit is
+skipped and listed. Prints a markdown table; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ import torch.distributed as dist
 
 from src.models import lv_xattn as lv_module
 from src.models import ring_xattn as ring_module
+from src.models import xattn_core
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
 from src.models.xattn_core import block_backward, block_forward
 
 IMPLS = {  # name -> (block impl, q_sharded, byte counter)
     "local": ("local", False, None),
     "lv_xattn": ("lv_xattn", True, lv_module.BYTES_SENT),
+    "lv_gather": ("lv_xattn_gather", True, lv_module.BYTES_SENT),
     "lv_allred": ("lv_xattn", False, lv_module.BYTES_SENT),
     "ring": ("ring", True, ring_module.BYTES_SENT),
 }
@@ -123,6 +128,10 @@ def predict_ms(impl: str, local_ms: float, attn_ms: tuple[float, float], sq: int
     if impl == "lv_allred":  # not overlapped: all-reduce of LSE, then of O·w and w (fwd), of dQ (bwd)
         volume = 2 * (world - 1) / world * sq * heads * 4 * ((1 + dim + 1) + dim)
         return local_ms + volume / bw / 1e6
+    if impl == "lv_gather":  # the local kernels on all queries; nothing overlapped
+        forward = rows * (world - 1) * (dim * 2 + (dim + 1) * 4) + 2 * (world - 1) / world * sq * heads * 4
+        backward = rows * (world - 1) * (3 * dim * 2 + 4 + dim * 4)  # gathers of Q, dO, O, L; scatter of dQ
+        return local_ms + (forward + backward) / bw / 1e6
     if impl == "lv_xattn":
         phases = [(fwd, rows * dim * 2, rows * (dim + 1) * 4), (bwd, rows * (3 * dim * 2 + 4), rows * dim * 4)]
     else:  # ring: K and V out; dK and dV accumulators travel in backward
@@ -144,6 +153,11 @@ def attention_ms(sq: int, skv_local: int, heads: int, dim: int, dtype, device, b
     return fwd, bwd
 
 
+def kv_chunks_setting(text: str) -> str | int:
+    """'auto' (the automatic split-KV heuristic) or a forced chunk count (1 = no split)."""
+    return text if text == "auto" else int(text)
+
+
 def fits(skv_local: int, width: int, device: torch.device) -> bool:
     """Generous estimate: visual shard, its gradient, norm output, K, V, two K/V receive buffers and fp32 dK/dV
     accumulators in flight: about 20 bf16 copies of the shard. Decided on the fullest rank."""
@@ -163,30 +177,33 @@ def run_config(args, sq: int, skv: int, device: torch.device, dtype, bw: float) 
     text_all = torch.randn(1, sq, width, dtype=dtype, device=device, generator=gen)
     torch.manual_seed(0)
     block = CrossAttentionBlock(width, heads, ls_init_value=0.1, recompute=True).to(device, dtype)
-    attn = attention_ms(sq, skv_local, heads, dim, dtype, device, args.budget)
-    rows, local_ms = [], None
-    for name, (impl, q_sharded, counter) in IMPLS.items():
-        block.impl = impl
-        text = text_all.chunk(world, dim=1)[rank] if q_sharded else text_all
-        text = text.detach().requires_grad_()
-        grad = torch.ones_like(text)
+    rows = []
+    for setting in args.kv_chunks:
+        xattn_core.KV_CHUNKS = None if setting == "auto" else setting
+        attn = attention_ms(sq, skv_local, heads, dim, dtype, device, args.budget)
+        local_ms = None
+        for name, (impl, q_sharded, counter) in IMPLS.items():
+            block.impl = impl
+            text = text_all.chunk(world, dim=1)[rank] if q_sharded else text_all
+            text = text.detach().requires_grad_()
+            grad = torch.ones_like(text)
 
-        def step(text=text, q_sharded=q_sharded, grad=grad):
-            block(text, visual, q_sharded=q_sharded).backward(grad)
+            def step(text=text, q_sharded=q_sharded, grad=grad):
+                block(text, visual, q_sharded=q_sharded).backward(grad)
 
-        if counter is not None:
-            counter.reset()
-        step()  # warm-up, and the bytes of one call
-        sent = (counter.forward, counter.backward) if counter is not None else (0, 0)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = time_ms(step, device, args.budget)
-        local_ms = ms if name == "local" else local_ms
-        predicted = predict_ms(name, local_ms, attn, sq, skv_local, heads, dim, world, bw)
-        rows.append(dict(S_Q=sq, S_KV=skv, S_KV_per_rank=skv_local, impl=name, ms=ms, predicted_ms=predicted,
-                         bytes_forward=sent[0], bytes_backward=sent[1], attention_fwd_ms=attn[0],
-                         attention_bwd_ms=attn[1],
-                         peak_GiB=torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None))
+            if counter is not None:
+                counter.reset()
+            step()  # warm-up, and the bytes of one call
+            sent = (counter.forward, counter.backward) if counter is not None else (0, 0)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            ms = time_ms(step, device, args.budget)
+            local_ms = ms if name == "local" else local_ms
+            predicted = predict_ms(name, local_ms, attn, sq, skv_local, heads, dim, world, bw)
+            rows.append(dict(S_Q=sq, S_KV=skv, S_KV_per_rank=skv_local, kv_chunks=setting, impl=name, ms=ms,
+                             predicted_ms=predicted, bytes_forward=sent[0], bytes_backward=sent[1],
+                             attention_fwd_ms=attn[0], attention_bwd_ms=attn[1],
+                             peak_GiB=torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None))
     memory = dict(S_Q=sq, S_KV=skv)
     block.impl = "lv_xattn"
     text = text_all.chunk(world, dim=1)[rank].detach().requires_grad_()
@@ -214,15 +231,19 @@ def _cell(row: dict) -> str:
 
 
 def table(rows: list[dict], memory: list[dict]) -> str:
-    lines = ["| S_Q | S_KV | S_KV/P | local ms | LV-XAttn ms (pred.) | LV all-reduce ms (pred.) | Ring ms (pred.) "
-             "| LV / local | Ring / LV | saved act. MiB, recompute on / off |", "|" + " --- |" * 10]
+    lines = ["| S_Q | S_KV | S_KV/P | KV chunks | local ms | LV-XAttn ms (pred.) | LV gather ms (pred.) "
+             "| LV all-reduce ms (pred.) | Ring ms (pred.) | LV / local | LV gather / local | Ring / LV "
+             "| saved act. MiB, recompute on / off |", "|" + " --- |" * 13]
     for mem in memory:
-        by = {r["impl"]: r for r in rows if (r["S_Q"], r["S_KV"]) == (mem["S_Q"], mem["S_KV"])}
-        lines.append(
-            f"| {mem['S_Q']} | {mem['S_KV']} | {by['local']['S_KV_per_rank']} | {by['local']['ms']:.2f} "
-            f"| {_cell(by['lv_xattn'])} | {_cell(by['lv_allred'])} | {_cell(by['ring'])} "
-            f"| {by['lv_xattn']['ms'] / by['local']['ms']:.3f} | {by['ring']['ms'] / by['lv_xattn']['ms']:.2f} "
-            f"| {mem['saved_MiB_recompute_on']:.4g} / {mem['saved_MiB_recompute_off']:.4g} |")
+        for setting in dict.fromkeys(r["kv_chunks"] for r in rows):
+            by = {r["impl"]: r for r in rows
+                  if (r["S_Q"], r["S_KV"], r["kv_chunks"]) == (mem["S_Q"], mem["S_KV"], setting)}
+            lines.append(
+                f"| {mem['S_Q']} | {mem['S_KV']} | {by['local']['S_KV_per_rank']} | {setting} "
+                f"| {by['local']['ms']:.2f} | {_cell(by['lv_xattn'])} | {_cell(by['lv_gather'])} "
+                f"| {_cell(by['lv_allred'])} | {_cell(by['ring'])} | {by['lv_xattn']['ms'] / by['local']['ms']:.3f} "
+                f"| {by['lv_gather']['ms'] / by['local']['ms']:.3f} | {by['ring']['ms'] / by['lv_xattn']['ms']:.2f} "
+                f"| {mem['saved_MiB_recompute_on']:.4g} / {mem['saved_MiB_recompute_off']:.4g} |")
     return "\n".join(lines)
 
 
@@ -231,6 +252,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, tiny sizes")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of timed calls per measurement")
+    parser.add_argument("--kv-chunks", nargs="+", type=kv_chunks_setting, default=["auto", 1],
+                        help="split-KV forward settings to measure each config with: auto and/or chunk counts "
+                             "(1 = no split)")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc_per_node=2 bench/lv_xattn.py", file=sys.stderr)

@@ -16,6 +16,7 @@ same model and batch and prints our rate over its rate. `--device cpu` makes it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -76,8 +77,9 @@ def compose_config(overrides: list[str]):
 
 
 def step_flops(cfg) -> int:
-    """FLOPs of one training step (forward + backward) of the model, counted on the meta device."""
-    model = build_model(cfg.model, "meta")
+    """FLOPs of one training step (forward + backward) of the model, counted on the meta device. SwitchBack
+    layers do the same multiply-adds in 8 bits, so they are counted as the standard linear layers they replace."""
+    model = build_model(dataclasses.replace(cfg.model, linear="standard"), "meta")
     batch, size = cfg.data.batch_size, cfg.model.vision.image_size
     images = torch.empty(batch, 3, size, size, device="meta")
     tokens = torch.zeros(batch, cfg.model.text.context_length, dtype=torch.long, device="meta")

@@ -48,6 +48,7 @@ class VideoConfig:
     head_ls_init: float = 0.0
     head_impl: str = "lv_xattn"
     head_recompute: bool = True
+    visual_mlp_ratio: float = 0.0
     vision_trainable_blocks: int = -1
     video_text_weight: float = 1.0
     image_text_weight: float = 0.0
@@ -63,7 +64,10 @@ class ModelConfig:
     quick_gelu: bool = False
     init_logit_scale: float = math.log(1 / 0.07)
     max_logit_scale: float = math.log(100)
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # the older spelling of checkpoint_policy=full; old configs still compose
+    checkpoint_policy: str = "none"
+    checkpoint_every: int = 1
+    attention_backend: str = "auto"
     linear: str = "standard"
     linear_backend: str = "cuda"
     init_from: str | None = None
@@ -162,6 +166,7 @@ class TrainerConfig:
     preempt_deadline_s: float = 120.0
     max_nonfinite_steps: int | None = 20
     sp_size: int = 1
+    data_parallel: str = "ddp"
 
 
 @dataclass

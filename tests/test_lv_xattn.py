@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
@@ -21,7 +22,12 @@ from src.models import ring_xattn as ring_module
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
 from src.models.xattn_core import cross_attention_reference, merge_partials, visible_keys
 
-OPS = {"lv_xattn": (lv_module.lv_xattn, lv_module.BYTES_SENT), "ring": (ring_module.ring_xattn, ring_module.BYTES_SENT)}
+# Keyed by the layer's impl names, so that every op case and layer case runs for each.
+OPS = {
+    "lv_xattn": (lv_module.lv_xattn, lv_module.BYTES_SENT),
+    "lv_xattn_gather": (partial(lv_module.lv_xattn, schedule="gather"), lv_module.BYTES_SENT),
+    "ring": (ring_module.ring_xattn, ring_module.BYTES_SENT),
+}
 F64 = torch.float64
 TOL = 1e-10
 
@@ -29,7 +35,7 @@ TOL = 1e-10
 @dataclass(frozen=True)
 class Case:
     name: str
-    impl: str  # "lv_xattn" or "ring"
+    impl: str  # a key of OPS
     q_sharded: bool
     q_lens: tuple[int, ...]  # queries per rank (all equal when q_sharded=False)
     kv_lens: tuple[int, ...]
@@ -198,10 +204,15 @@ def expected_bytes(case: Case, rank: int, world: int) -> tuple[int, int]:
     ids = 8 if case.masks else 0  # int64 segment ids travel with Q (LV) or with K/V (Ring), padding (1 B) too
     others = [j for j in range(world) if j != rank]  # accumulators of every other rank's block come through
     forwarded = [j for j in range(world) if j != (rank + 1) % world]  # messages this rank passes on
-    if case.impl == "lv_xattn" and not case.q_sharded:
-        nominal = lambda n: 2 * (world - 1) * n // world  # ring all-reduce
+    nominal = lambda n: 2 * (world - 1) * n // world  # ring all-reduce
+    if case.impl.startswith("lv_xattn") and not case.q_sharded:  # both schedules: the all-reduce merge
         rows = b * h * case.q_lens[0] * size
         return nominal(rows) + nominal(rows * (d + 1)), nominal(rows * d)
+    if case.impl == "lv_xattn_gather":  # ring all-gather / reduce-scatter of blocks padded to the longest shard
+        block, seg = b * h * max(case.q_lens), b * max(case.q_lens) * ids
+        lse_max = nominal(b * h * sum(case.q_lens) * size)  # all-reduce over every global row
+        forward = (world - 1) * (block * d * size + seg + block * (d + 1) * size) + lse_max  # Q (+ ids), [O·w, w]
+        return forward, (world - 1) * (block * (3 * d + 1) * size + seg + block * d * size)  # Q, dO, O, L (+ ids), dQ
     if case.impl == "lv_xattn":
         rows = [b * h * case.q_lens[j] for j in range(world)]
         seg = [b * case.q_lens[j] * ids for j in range(world)]
@@ -282,14 +293,18 @@ def test_single_process_equals_plain_attention(case):
 
 
 def test_analytic_volumes_per_rank():
-    """On an even split the counted formulas are the docs' volumes: LV-XAttn sends (P-1)/P·S_Q·H·(2D+1)
-    elements forward (Q blocks out, O and LSE accumulators: the paper's ≈ 2·S_Q·D per head), Ring
+    """On an even split the counted formulas are the docs' volumes: LV-XAttn's ring sends (P-1)/P·S_Q·H·(2D+1)
+    elements forward (Q blocks out, O and LSE accumulators: the paper's ≈ 2·S_Q·D per head), its gather
+    schedule the same plus 2(P-1)/P·S_Q·H (the LSE max all-reduce) and the same backward, Ring
     (P-1)/P·2·S_KV·Hkv·D (K and V blocks)."""
     world, sq, skv, batch, heads, kv_heads, dim, size = 4, 12, 40, 2, 4, 2, 8, 8
     lv = Case("even", "lv_xattn", True, (sq // world,) * world, (skv // world,) * world)
-    ring = replace(lv, impl="ring")
+    gather, ring = replace(lv, impl="lv_xattn_gather"), replace(lv, impl="ring")
     for rank in range(world):
-        assert expected_bytes(lv, rank, world)[0] == (world - 1) * sq // world * heads * (2 * dim + 1) * batch * size
+        ring_forward, ring_backward = expected_bytes(lv, rank, world)
+        assert ring_forward == (world - 1) * sq // world * heads * (2 * dim + 1) * batch * size
+        assert expected_bytes(gather, rank, world) == (
+            ring_forward + 2 * (world - 1) * sq // world * heads * batch * size, ring_backward)
         assert expected_bytes(ring, rank, world)[0] == (world - 1) * 2 * skv // world * kv_heads * dim * batch * size
 
 
@@ -330,6 +345,12 @@ def test_shape_errors_name_the_bad_value(shapes, message):
     q, k, v = (torch.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=message):
         lv_module.lv_xattn(q, k, v)
+
+
+def test_unknown_schedule_is_an_error():
+    q = torch.zeros(1, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"schedule='tree' is not one of \['gather', 'ring'\]"):
+        lv_module.lv_xattn(q, q, q, schedule="tree")
 
 
 def test_block_rejects_bad_heads_and_impl():

@@ -5,10 +5,11 @@ import pytest
 import torch
 from open_clip.model import CLIP as OpenCLIP
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+from torch.nn.attention import SDPBackend
 
 from src.config import ModelConfig, TextConfig, VisionConfig
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
-from src.models.transformer import Block, LayerScale
+from src.models.transformer import Attention, Block, LayerScale
 from src.optim.param_groups import param_groups_for_weight_decay
 from tests.conftest import compose_config
 
@@ -162,3 +163,18 @@ def test_patch_embedding_as_a_matmul_equals_the_convolution():
     images = torch.randn(2, 3, 64, 64)
     expected = tower.conv1(images).flatten(2).transpose(1, 2)
     torch.testing.assert_close(tower.embed_patches(images), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
+    torch.manual_seed(0)
+    auto = build_model(tiny_config(ls_init_value=0.1))
+    config = tiny_config(ls_init_value=0.1)
+    config.attention_backend = "math"
+    restricted = build_model(config)
+    restricted.load_state_dict(auto.state_dict())
+    assert all(a.backends == [SDPBackend.MATH] for a in restricted.modules() if isinstance(a, Attention))
+    images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16))
+    torch.testing.assert_close(restricted(images, tokens)[:2], auto(images, tokens)[:2])
+    config.attention_backend = "fastest"
+    with pytest.raises(ValueError, match="model.attention_backend='fastest' is not one of auto, flash"):
+        build_model(config)

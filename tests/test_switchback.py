@@ -2,8 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 
 from src.models import build_model
+from src.models.parallelize import apply_compile
 from src.models.switchback import VARIANTS, SwitchBackLinear, convert_to_switchback, switchback_linear
 from src.models.transformer import Attention
 from tests.test_model import tiny_config
@@ -163,3 +165,38 @@ def test_int8_sums_stay_exact_for_wide_layers():
     want = (qx @ qw.T) * sx * sw / 127**2
     got = switchback_linear(x, w, None, "switchback_int8", backend="reference")
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # TorchInductor compiles C++ kernels on the CPU: about 40 s
+def test_compiled_blocks_run_switchback_as_in_eager():
+    """Regional compilation keeps SwitchBack layers inside the blocks' graphs (custom ops, no graph break) and
+    computes what eager does."""
+    counters.clear()
+    torch.manual_seed(0)
+    eager = switchback_model("switchback_fp8")
+    compiled = switchback_model("switchback_fp8")
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16))
+    losses = []
+    for model in (eager, compiled):
+        image, text, _ = model(images, tokens)
+        loss = (image @ text.T).sum()
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_custom_ops_pass_torch_library_checks(variant):
+    """Schema, fake (meta) implementation and autograd registration of the ops torch.compile sees."""
+    x, w, b = torch.randn(6, 8), torch.randn(5, 8, requires_grad=True), torch.randn(5, requires_grad=True)
+    x.requires_grad_(True)
+    checks = ("test_autograd_registration", "test_faketensor")
+    if not VARIANTS[variant].fp8:  # the schema checker multiplies outputs, which CPU fp8 tensors cannot do
+        checks += ("test_schema",)
+    torch.library.opcheck(torch.ops.stableclip.switchback_forward.default, (x, w, b, variant, "reference"),
+                          test_utils=checks)

@@ -12,7 +12,7 @@ from torch import nn
 
 from src.config import ModelConfig
 from src.models.switchback.convert import check_linear_choice, convert_to_switchback
-from src.models.transformer import Transformer
+from src.models.transformer import Transformer, set_attention_backend
 from src.models.vision import VisionTransformer
 
 
@@ -35,7 +35,10 @@ class CLIP(nn.Module):
         self.ln_final = nn.LayerNorm(text.width)
         self.text_projection = nn.Parameter(torch.empty(text.width, cfg.embed_dim))
         self.logit_scale = nn.Parameter(torch.empty(()))
-        self.set_grad_checkpointing(cfg.grad_checkpointing)
+        # model.grad_checkpointing=true is the older spelling of checkpoint_policy=full; a policy set explicitly wins.
+        legacy = cfg.grad_checkpointing and cfg.checkpoint_policy == "none"
+        self.set_checkpointing("full" if legacy else cfg.checkpoint_policy, cfg.checkpoint_every)
+        set_attention_backend(self, cfg.attention_backend)
 
     def init_weights(self) -> None:
         """Initialise every parameter; called after `to_empty()` when the model was built on `meta`."""
@@ -47,9 +50,13 @@ class CLIP(nn.Module):
         nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
         nn.init.constant_(self.logit_scale, self.init_logit_scale)
 
+    def set_checkpointing(self, policy: str, every: int = 1) -> None:
+        """Activation checkpointing of both towers' blocks in training (transformer.CHECKPOINT_POLICIES)."""
+        self.visual.transformer.set_checkpointing(policy, every)
+        self.transformer.set_checkpointing(policy, every)
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.visual.transformer.grad_checkpointing = enable
-        self.transformer.grad_checkpointing = enable
+        self.set_checkpointing("full" if enable else "none")
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         features = self.visual(images)

@@ -1,5 +1,6 @@
-"""A pre-norm cross-attention block: text hidden states query (sharded) visual features through LV-XAttn,
-the Ring baseline, or plain local attention, with optional activation recomputation (docs/lv_xattn.md).
+"""A pre-norm cross-attention block: text hidden states query (sharded) visual features through LV-XAttn
+(ring or gather schedule), the Ring baseline, or plain local attention, with optional activation
+recomputation (docs/lv_xattn.md).
 
 Recomputation is a custom autograd Function: its forward runs the whole block without recording a graph
 and saves only the block's inputs (text, visual) and the attention's (O, LSE). Backward recomputes Q, K, V
@@ -17,20 +18,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from src.models.lv_xattn import LV_XATTN
+from src.models.lv_xattn import LV_XATTN, LV_XATTN_GATHER
 from src.models.ring_xattn import RING_XATTN
 from src.models.transformer import LayerScale
 from src.models.xattn_comm import XAttnEngine, XAttnFunction, make_layout
 
-ENGINES = {"lv_xattn": LV_XATTN, "ring": RING_XATTN, "local": LV_XATTN}
+ENGINES = {"lv_xattn": LV_XATTN, "lv_xattn_gather": LV_XATTN_GATHER, "ring": RING_XATTN, "local": LV_XATTN}
 T = TypeVar("T")
 
 
 class CrossAttentionBlock(nn.Module):
     """text + ls(o_proj(attn(q_proj(ln_q(text)), k_proj/v_proj(ln_kv(visual))))).
 
-    impl: "lv_xattn" (queries travel), "ring" (keys/values travel) or "local" (attend this rank's visual
-    tokens only: no communication, `group` is ignored). kv_heads < heads gives grouped-query attention.
+    impl: "lv_xattn" (queries travel around a ring), "lv_xattn_gather" (LV-XAttn's gather schedule: queries
+    all-gathered, one kernel call per pass; the same as "lv_xattn" when q_sharded=False), "ring" (keys/values
+    travel) or "local" (attend this rank's visual tokens only: no communication, `group` is ignored).
+    kv_heads < heads gives grouped-query attention.
 
     Gradients: the visual side (`kv_parameters()`) gets only this rank's shard's share on each rank; sum it
     over the group. With q_sharded=False the text side (ln_q, q_proj, o_proj, ls) is complete and identical

@@ -1,10 +1,16 @@
 """LV-XAttn: exact distributed cross-attention that keeps each rank's keys/values local and moves the
 (small) query blocks instead (docs/lv_xattn.md).
 
-q_sharded=True (the paper's ring): rank j's query block Q_j circulates; each rank adds its K/V shard's
-partial (o, lse) to Q_j's travelling accumulator with the log-sum-exp merge, and the accumulator returns
-home after P-1 hops. Backward circulates (Q, dO, O, LSE); dQ accumulates on the way and returns home, dK and
-dV never leave their rank.
+q_sharded=True, schedule="ring" (the paper's): rank j's query block Q_j circulates; each rank adds its K/V
+shard's partial (o, lse) to Q_j's travelling accumulator with the log-sum-exp merge, and the accumulator
+returns home after P-1 hops. Backward circulates (Q, dO, O, LSE); dQ accumulates on the way and returns home,
+dK and dV never leave their rank. Transfers overlap the P per-block kernel calls.
+
+q_sharded=True, schedule="gather": every rank all-gathers the query blocks and runs ONE kernel call of all
+queries against its K/V shard; the partials are merged exactly by an all-reduce of the LSEs' max and a
+reduce-scatter of the rescaled outputs, which leaves each rank only its own rows. Backward all-gathers
+(Q, dO, O, LSE), runs one backward call (dK, dV final) and reduce-scatters dQ. Nothing overlaps, but each
+pass is one full-size kernel, as in the local computation, instead of P smaller ones.
 
 q_sharded=False (e.g. 77 CLIP text tokens on every rank): each rank attends its shard, then two all-reduces
 (the max of the LSEs, then the sum of the rescaled outputs with their weights) give the exact result.
@@ -44,13 +50,20 @@ def _visible(layout: ShardLayout, message: list[Tensor], position: int) -> Tenso
     return visible_keys(q_ids, layout.kv_segment_ids, layout.key_padding_mask)
 
 
-def _all_reduce_merge(out: Tensor, lse: Tensor, layout: ShardLayout) -> tuple[Tensor, Tensor]:
+def _cross_rank_merge(out: Tensor, lse: Tensor, layout: ShardLayout, scatter: bool) -> tuple[Tensor, Tensor]:
     """Exact merge of every rank's partial for the same queries: shift by the global max LSE (so nothing
-    overflows), sum the weighted outputs and weights, renormalize. Rows no rank can see stay (0, -inf)."""
+    overflows), sum the weighted outputs and weights, renormalize. Rows no rank can see stay (0, -inf).
+    The sums are all-reduced, or with `scatter` (out, lse cover the gathered queries of all ranks)
+    reduce-scattered so that each rank receives only its own rows. The weights have the LSE's dtype
+    (acc_dtype), so the products and sums are in it whatever out's dtype."""
     shift = layout.all_reduce(lse.clone(), "forward", dist.ReduceOp.MAX)
     shift = shift.masked_fill(shift == NEG_INF, 0.0)
     weight = torch.exp(lse - shift)[..., None]
-    packed = layout.all_reduce(torch.cat([out * weight, weight], dim=-1), "forward")
+    packed = torch.cat([out * weight, weight], dim=-1)
+    if scatter:
+        packed, shift = layout.reduce_scatter_queries(packed, "forward"), shift[..., layout.own_rows()]
+    else:
+        packed = layout.all_reduce(packed, "forward")
     total = packed[..., -1:]
     merged = torch.where(total > 0, packed[..., :-1] / total, 0.0)
     return merged, shift + torch.log(total[..., 0])
@@ -60,7 +73,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, layout: ShardLayout) -> tuple[Tens
     if not layout.q_sharded:
         visible = visible_keys(layout.q_segment_ids, layout.kv_segment_ids, layout.key_padding_mask)
         out, lse = merge_partials(*empty_partial(q), *block_forward(q, k, v, visible, layout.scale))
-        out, lse = _all_reduce_merge(out, lse, layout)
+        out, lse = _cross_rank_merge(out, lse, layout, scatter=False)
         return out.to(q.dtype), lse
 
     def compute(origin: int, message: list[Tensor]) -> list[Tensor]:
@@ -111,13 +124,36 @@ def _backward(
     return dq.to(q.dtype), sums[0].to(k.dtype), sums[1].to(v.dtype)
 
 
+def _gather_forward(q: Tensor, k: Tensor, v: Tensor, layout: ShardLayout) -> tuple[Tensor, Tensor]:
+    if not layout.q_sharded:  # the queries are on every rank already: nothing to gather
+        return _forward(q, k, v, layout)
+    q_all, *ids = layout.all_gather_queries([q, *_ids(layout)], "forward")
+    visible = visible_keys(ids[0] if ids else None, layout.kv_segment_ids, layout.key_padding_mask)
+    out, lse = _cross_rank_merge(*block_forward(q_all, k, v, visible, layout.scale), layout, scatter=True)
+    return out.to(q.dtype), lse
+
+
+def _gather_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, layout: ShardLayout,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if not layout.q_sharded:
+        return _backward(q, k, v, out, lse, dout, layout)
+    q_all, dout_all, out_all, lse_all, *ids = layout.all_gather_queries([q, dout, out, lse, *_ids(layout)], "backward")
+    visible = visible_keys(ids[0] if ids else None, layout.kv_segment_ids, layout.key_padding_mask)
+    dq, dk, dv = block_backward(q_all, k, v, visible, layout.scale, dout_all, out_all, lse_all)
+    dq = layout.reduce_scatter_queries(dq.to(acc_dtype(q.dtype)), "backward")
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 LV_XATTN = XAttnEngine("lv_xattn", _forward, _backward, BYTES_SENT)
+LV_XATTN_GATHER = XAttnEngine("lv_xattn_gather", _gather_forward, _gather_backward, BYTES_SENT)
+SCHEDULES = {"ring": LV_XATTN, "gather": LV_XATTN_GATHER}
 
 
 def lv_xattn(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *, q_sharded: bool = True,
     key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
-    kv_segment_ids: Tensor | None = None, scale: float | None = None,
+    kv_segment_ids: Tensor | None = None, scale: float | None = None, schedule: str = "ring",
 ) -> Tensor:
     """Exact softmax(q·K_globalᵀ·scale + mask)·V_global for this rank's queries.
 
@@ -126,6 +162,11 @@ def lv_xattn(
     key_padding_mask [B, Skv_local] (True = ignore); q_segment_ids [B, Sq_local] and kv_segment_ids
     [B, Skv_local] let a query see only keys of its own segment. Rows with no visible key return zeros.
     group=None uses the default group, or runs on one process when torch.distributed is not initialized.
+    schedule (q_sharded=True): "ring" overlaps the transfers with P kernel calls on S_Q/P queries each;
+    "gather" runs one kernel call on all queries between collectives, with nothing overlapped
+    (docs/lv_xattn.md, "Two schedules"). With q_sharded=False both are the all-reduce merge.
     """
-    return attend(LV_XATTN, q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask,
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+    return attend(SCHEDULES[schedule], q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)

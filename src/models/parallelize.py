@@ -1,11 +1,22 @@
 """How a built model runs on the hardware, kept apart from what it computes (as torchtitan splits model and
-parallelize): regional compilation of the transformer blocks."""
+parallelize): regional compilation of the transformer blocks, and FSDP2 sharding."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from src.models.transformer import Block
+
+
+def blocks(model: nn.Module) -> list[Block]:
+    return [m for m in model.modules() if isinstance(m, Block)]
 
 
 def apply_compile(model: nn.Module) -> int:
@@ -13,8 +24,46 @@ def apply_compile(model: nn.Module) -> int:
     so TorchInductor compiles each kind once (parameters are graph inputs, not constants) instead of tracing
     the whole model; the fusions that pay (LayerNorm, bias, GELU, layer-scale and residual adds) all live
     inside a block."""
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
+    compiled = blocks(model)
+    for block in compiled:
         block.compile()
-    return len(blocks)
+    return len(compiled)
 
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard `model` over the 1-D `mesh` in place with FSDP2: each transformer block is one all-gather /
+    reduce-scatter group, and the root takes the rest (embeddings, norms, projections). After
+    `apply_compile`, as torchtitan orders them: FSDP2's hooks run outside the compiled graphs.
+
+    The default MixedPrecisionPolicy keeps parameters, gradients and their reduction in fp32, as DDP does:
+    bf16/fp16 comes from the trainer's autocast, so the optimizer's master weights stay fp32.
+
+    fully_shard cannot shard 0-dim parameters (the logit scale), so they stay whole on every rank and a hook
+    averages their gradients over the mesh as DDP would."""
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    scalars = [p for p in model.parameters() if p.ndim == 0]
+    fully_shard(model, mesh=mesh, ignored_params=set(scalars))
+    group = mesh.get_group()
+
+    def average_grad(param: torch.Tensor) -> None:
+        dist.all_reduce(param.grad, group=group)
+        param.grad.div_(group.size())
+
+    for param in scalars:
+        param.register_post_accumulate_grad_hook(average_grad)
+
+
+@contextlib.contextmanager
+def unsharded_root(model: nn.Module) -> Iterator[None]:
+    """FSDP2 gathers the root's parameters in a hook on `forward` only; evaluation calls `encode_image` and
+    `encode_text` instead, so gather them around it (the blocks still gather their own). Collective under FSDP2;
+    does nothing to other models."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

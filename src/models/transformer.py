@@ -1,7 +1,12 @@
-"""Pre-norm transformer blocks with zero-initialized layer-scale.
+"""Pre-norm transformer blocks with zero-initialized layer-scale, and their activation checkpointing.
 
 Parameter names follow OpenCLIP (`attn.in_proj_weight`, `mlp.c_fc`, `ls_1.gamma`, ...) so that
 OpenCLIP state dicts load into these modules unchanged.
+
+Checkpointing policies (`model.checkpoint_policy`): `none` keeps every activation autograd wants; `full`
+keeps only each block's input and re-runs the whole block in backward; `selective` keeps the outputs of the
+matmuls and of attention and re-runs only the element-wise ops between them (LayerNorm, GELU, bias and
+residual adds, layer-scale), which cost little time but a large share of the memory.
 """
 
 from __future__ import annotations
@@ -11,7 +16,35 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+CHECKPOINT_POLICIES = ("none", "full", "selective")
+
+# Ops whose outputs `selective` keeps: the FLOPs of a block. Re-running them would cost nearly a second
+# forward; everything else in a block is memory-bound and cheap to redo. Attention comes in one op per SDPA
+# backend (math attention decomposes into bmm, kept through the matmuls); _scaled_mm is SwitchBack's fp8 matmul.
+_SAVED_BY_SELECTIVE = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+
+def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # MUST_SAVE: under torch.compile the partitioner may not trade a kept matmul back for recomputation.
+    # PREFER_RECOMPUTE: it may still keep a fused element-wise result where that is cheaper than redoing it.
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls_and_attention)
 
 
 class QuickGELU(nn.Module):
@@ -37,6 +70,25 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+# model.attention_backend -> the SDPA kernels allowed (auto: PyTorch's own choice, which on an H200 is cuDNN).
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+
+
+def set_attention_backend(module: nn.Module, backend: str) -> None:
+    """Restrict the attention kernel of every `Attention` in `module` (model.attention_backend)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    for attention in module.modules():
+        if isinstance(attention, Attention):
+            attention.backends = ATTENTION_BACKENDS[backend]
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused QKV projection, laid out like nn.MultiheadAttention."""
 
@@ -51,12 +103,17 @@ class Attention(nn.Module):
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * width))
         self.out_proj = nn.Linear(width, width)
+        self.backends: list[SDPBackend] | None = None  # None: PyTorch picks; set_attention_backend restricts it
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         batch, length, width = x.shape
         qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if self.backends is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            with sdpa_kernel(self.backends):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -74,8 +131,27 @@ class Block(nn.Module):
             ("c_proj", nn.Linear(hidden, width)),
         ]))
         self.ls_2 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
+        self.checkpoint_policy = "none"  # one of CHECKPOINT_POLICIES; Transformer.set_checkpointing sets it
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        # The checkpoint sits inside the block so that a compiled block (parallelize.apply_compile) traces it
+        # and the selective policy marks ops of the compiled graph. Around a compiled block, selective
+        # checkpointing would see TorchInductor's code as one op and recompute all of it, as `full` does.
+        # `training` is read first so that evaluation never reads the policy: a compiled block then has one
+        # evaluation graph, whatever the policies of the blocks sharing its code.
+        if not self.training or self.checkpoint_policy == "none":
+            return self._forward(x, causal)
+        if self.checkpoint_policy == "full":
+            # No context_fn at all: TorchDynamo rejects torch's own noop_context_fn as one.
+            return checkpoint(self._forward, x, causal, use_reentrant=False)
+        # respect_saved_tensors_hooks: the outputs `selective` keeps then pass through the caller's saved-tensor
+        # hooks (CPU offload, the tests' memory measurement) like any other saved tensor.
+        return checkpoint(
+            self._forward, x, causal, use_reentrant=False, context_fn=_selective_contexts,
+            respect_saved_tensors_hooks=True,
+        )
+
+    def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         x = x + self.ls_1(self.attn(self.ln_1(x), causal=causal))
         return x + self.ls_2(self.mlp(self.ln_2(x)))
 
@@ -88,10 +164,36 @@ class Transformer(nn.Module):
         super().__init__()
         self.width = width
         self.layers = layers
-        self.grad_checkpointing = False
         self.resblocks = nn.ModuleList(
             Block(width, heads, mlp_ratio, ls_init_value, quick_gelu) for _ in range(layers)
         )
+        self.set_checkpointing("none")
+
+    def set_checkpointing(self, policy: str, every: int = 1) -> None:
+        """Checkpoint blocks 0, every, 2*every, ... in training with `policy` (one of CHECKPOINT_POLICIES);
+        the other blocks keep all their activations. every=2 halves the recomputation of every=1, and keeps
+        the activations of half the blocks."""
+        if policy not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"model.checkpoint_policy={policy!r} is not one of {', '.join(CHECKPOINT_POLICIES)}"
+            )
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"model.checkpoint_every={every!r} must be an integer >= 1 (1 = every block, 2 = every second ...)"
+            )
+        self.checkpoint_policy = policy
+        for index, block in enumerate(self.resblocks):
+            block.checkpoint_policy = policy if index % every == 0 else "none"
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        """The older on/off switch (CLIP.set_grad_checkpointing): True sets `full` on every block; it reads
+        True while any policy is on."""
+        return self.checkpoint_policy != "none"
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, enable: bool) -> None:
+        self.set_checkpointing("full" if enable else "none")
 
     def init_weights(self) -> None:
         """OpenCLIP's text-tower init, used for both towers: residual outputs shrink with depth."""
@@ -115,8 +217,5 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         for block in self.resblocks:
-            if self.grad_checkpointing and self.training:
-                x = checkpoint(block, x, causal, use_reentrant=False)
-            else:
-                x = block(x, causal=causal)
+            x = block(x, causal=causal)
         return x

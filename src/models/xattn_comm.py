@@ -16,12 +16,17 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # One row per rank of the shape exchange; a mismatch in any field but the two lengths is an error.
 FIELDS = ("Sq_local", "Skv_local", "B", "H", "Hkv", "D", "dtype", "key_padding_mask", "segment_ids")
 
+# PyTorch 2.14 renamed these (and deprecated the old names); 2.11, which the GPU image has, knows only the old.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class ByteCounter:
-    """Payload bytes this process sent, by pass. Point-to-point sends count their tensor bytes; an all-reduce
-    of n bytes counts 2·(P-1)·n/P, what a ring all-reduce sends per rank. The per-call shape exchange
-    (P·9 int64) is not counted."""
+    """Payload bytes this process sent, by pass. Point-to-point sends count their tensor bytes; collectives
+    count what their ring algorithm sends per rank: 2·(P-1)·n/P for an all-reduce of n bytes, (P-1)·c for an
+    all-gather of c bytes per rank and for a reduce-scatter that leaves c bytes on each rank (an all-reduce
+    is the two in turn, at c = n/P). The per-call shape exchange (P·9 int64) is not counted."""
 
     forward: int = 0
     backward: int = 0
@@ -59,6 +64,60 @@ class ShardLayout:
             self.counter.add(phase, 2 * (self.world - 1) * x.numel() * x.element_size() // self.world)
             dist.all_reduce(x, op=op, group=self.group)
         return x
+
+    def all_gather_queries(self, tensors: list[Tensor], phase: str) -> list[Tensor]:
+        """Every rank's query-side tensors ([B, H, Sq_local, ...], or [B, Sq_local] ids), concatenated in rank
+        order on the sequence dim: [B, H, Sq_global, ...] / [B, Sq_global].
+
+        The collective needs equal blocks, so each rank sends its rows padded to the longest shard, sequence
+        dim first; the padding is dropped on arrival. The results are contiguous again, the layout the local
+        kernels receive from the ring (some fused kernels are particular about strides)."""
+        if self.world == 1:
+            return tensors
+        longest, index = max(self.q_lens), self._real_rows(tensors[0].device)
+        gathered = []
+        for x in tensors:
+            dim = _seq_dim(x)
+            rows = x.movedim(dim, 0)
+            send = rows.new_zeros((longest, *rows.shape[1:]))
+            send[: rows.shape[0]] = rows
+            receive = send.new_empty((self.world * longest, *send.shape[1:]))
+            if send.numel():  # every rank knows every shape, so all of them skip together
+                self.counter.add(phase, (self.world - 1) * send.numel() * send.element_size())
+                _all_gather_single(receive, send, group=self.group)
+            gathered.append((receive if index is None else receive[index]).movedim(0, dim).contiguous())
+        return gathered
+
+    def reduce_scatter_queries(self, x: Tensor, phase: str) -> Tensor:
+        """x [B, H, Sq_global, ...] holds this rank's term for every global query row; returns the sum over
+        the ranks of this rank's rows, [B, H, Sq_local, ...]. Padded to the longest shard, as
+        `all_gather_queries` is."""
+        if self.world == 1:
+            return x
+        longest, index = max(self.q_lens), self._real_rows(x.device)
+        rows = x.movedim(2, 0)
+        if index is None:
+            padded = rows.contiguous()
+        else:
+            padded = rows.new_zeros((self.world * longest, *rows.shape[1:]))
+            padded[index] = rows
+        mine = padded.new_empty((longest, *rows.shape[1:]))
+        if mine.numel():
+            self.counter.add(phase, (self.world - 1) * mine.numel() * mine.element_size())
+            _reduce_scatter_single(mine, padded, group=self.group)
+        return mine[: self.q_lens[self.rank]].movedim(0, 2)
+
+    def own_rows(self) -> slice:
+        """This rank's query rows within the global sequence of `all_gather_queries`."""
+        start = sum(self.q_lens[: self.rank])
+        return slice(start, start + self.q_lens[self.rank])
+
+    def _real_rows(self, device: torch.device) -> Tensor | None:
+        """Positions of the real rows among the P padded blocks of max(q_lens) rows; None when none is padded."""
+        longest = max(self.q_lens)
+        if all(n == longest for n in self.q_lens):
+            return None
+        return torch.cat([torch.arange(j * longest, j * longest + n, device=device) for j, n in enumerate(self.q_lens)])
 
 
 def make_layout(
@@ -139,8 +198,12 @@ def resized(x: Tensor, length: int) -> Tensor:
     """An empty receive buffer like x with `length` positions on its sequence dim: dim 2 of [B, H, S, D] and
     [B, H, S], dim 1 of [B, S] masks and ids."""
     shape = list(x.shape)
-    shape[2 if x.dim() > 2 else 1] = length
+    shape[_seq_dim(x)] = length
     return x.new_empty(shape)
+
+
+def _seq_dim(x: Tensor) -> int:
+    return 2 if x.dim() > 2 else 1
 
 
 def _post(layout: ShardLayout, phase: str, nxt: int, prv: int, sends: list[Tensor], receives: list[Tensor]):

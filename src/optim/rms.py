@@ -7,12 +7,14 @@ import math
 
 import torch
 
+from src.optim.sharded import local, whole_norms
 from src.optim.stable_adamw import StableAdamW
 
 
 def update_rms(optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], torch.Tensor] | None:
     """(parameters, 1-D RMS tensor on their device) after `optimizer.step()` and before `zero_grad()`;
-    None for optimizers whose second moment is not available (bitsandbytes' 8-bit state). No host sync."""
+    None for optimizers whose second moment is not available (bitsandbytes' 8-bit state). No host sync.
+    The RMS of an FSDP2-sharded parameter is that of the whole tensor, the same on every rank."""
     if isinstance(optimizer, StableAdamW):
         pairs = optimizer.rms_by_param()
         return [p for p, _ in pairs], optimizer.last_rms
@@ -26,11 +28,11 @@ def update_rms(optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Paramete
             if p.grad is None or not state:
                 continue
             # torch keeps the biased second moment; û = u / (1 − β2^t).
-            u_hat = state["exp_avg_sq"] / (1 - beta2 ** state["step"].to(p.device))
+            u_hat = local(state["exp_avg_sq"]) / (1 - beta2 ** state["step"].to(p.device))
             params.append(p)
-            grads.append(p.grad)
+            grads.append(local(p.grad))
             denoms.append(u_hat.sqrt_().clamp_min_(eps))
     if not params:
         return None
-    norms = torch._foreach_norm(torch._foreach_div(grads, denoms))
-    return params, torch.stack(norms) / torch.tensor([math.sqrt(p.numel()) for p in params], device=grads[0].device)
+    norms = whole_norms(torch.stack(torch._foreach_norm(torch._foreach_div(grads, denoms))), params)
+    return params, norms / torch.tensor([math.sqrt(p.numel()) for p in params], device=grads[0].device)

@@ -19,6 +19,10 @@ Three implementations compute the same update: a per-tensor loop, `torch._foreac
 dtype) bucket, and fused Triton kernels (stable_adamw_triton.py) for float32 CUDA buckets. The foreach
 path launches a few kernels per tensor and is launch-bound on the GPU; the fused one launches three per
 bucket.
+
+FSDP2-sharded (DTensor) parameters update their local shards, while the RMS and the non-finite check are those
+of the whole tensor (src/optim/sharded.py), so every rank clips and skips alike. The fused kernels reduce over
+a local shard only, so sharded parameters take the foreach path.
 """
 
 import math
@@ -27,8 +31,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from src.optim.sharded import all_finite, local, sum_over_shards, whole_norms
 from src.optim.stable_adamw_triton import fused_stable_adamw_step, triton_available
 
 
@@ -137,9 +143,11 @@ class StableAdamW(Optimizer):
             states = [self._init_state(p) for p in params]
             if group["foreach"] is not False or group["fused"]:
                 buckets = _by_device_and_dtype(params, states)
+                # A bucket can hold FSDP2 shards beside replicated 0-dim parameters; a shard decides for it.
+                deciders = [next((p for p in ps if isinstance(p, DTensor)), ps[0]) for ps, _ in buckets]
                 results = [
-                    (_fused_update if _use_fused(group, ps[0]) else _multi_tensor_update)(ps, ss, group, **kwargs)
-                    for ps, ss in buckets
+                    (_fused_update if _use_fused(group, p) else _multi_tensor_update)(ps, ss, group, **kwargs)
+                    for p, (ps, ss) in zip(deciders, buckets, strict=True)
                 ]
                 chunks = [ps for ps, _ in buckets]
             else:
@@ -181,13 +189,13 @@ def _single_tensor_update(
     found_inf: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     """Update one tensor; returns its RMS (0-dim float32) and whether it updated (0-dim bool, or None)."""
-    v, u, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    theta, v, u, step = local(p), local(state["exp_avg"]), local(state["exp_avg_sq"]), state["step"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    g = p.grad if grad_scale is None else p.grad / grad_scale
+    g = local(p.grad) if grad_scale is None else local(p.grad) / grad_scale
 
     keep = None if found_inf is None else found_inf == 0
     if skip_nonfinite:
-        finite = g.isfinite().all()
+        finite = all_finite(g.isfinite().all().view(1), [p])[0]
         keep = finite if keep is None else keep & finite
     if keep is not None:
         # A zero update weight alone would not do: 0·Inf is NaN. A zeroed gradient also gives RMS 0.
@@ -197,13 +205,13 @@ def _single_tensor_update(
     w1, w2 = _gradient_weights(step + 1, group["betas"], keep)
     v.lerp_(g, w1.to(p.dtype))
     u.lerp_(g2, w2.to(p.dtype))
-    rms = (g2 / u.clamp_min(eps**2)).mean().sqrt().float()
+    rms = (sum_over_shards((g2 / u.clamp_min(eps**2)).sum().view(1), [p])[0] / p.numel()).sqrt().float()
 
     eta = lr / (rms / group["clip_threshold"]).clamp_min(1)
     if keep is not None:
         eta = eta * keep
-    p.mul_(1 - eta * wd)
-    p.sub_(eta * v / (u.sqrt() + eps))
+    theta.mul_(1 - eta * wd)
+    theta.sub_(eta * v / (u.sqrt() + eps))
     step.add_(1 if keep is None else keep)
     return rms, keep
 
@@ -222,18 +230,19 @@ def _multi_tensor_update(
     Per-tensor scalars (bias corrections, RMS, step sizes, masks) are 1-D device tensors, unbound into
     0-dim views where a foreach op needs one per tensor. Returns the RMS vector and the keep mask (or None).
     """
-    exp_avgs = [s["exp_avg"] for s in states]
-    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    thetas = [local(p) for p in params]
+    exp_avgs = [local(s["exp_avg"]) for s in states]
+    exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
     steps = [s["step"] for s in states]
     lr, eps, wd, dtype = group["lr"], group["eps"], group["weight_decay"], params[0].dtype
-    grads = [p.grad for p in params]
+    grads = [local(p.grad) for p in params]
     if grad_scale is not None:
         grads = torch._foreach_div(grads, grad_scale)
 
     keep = None
     if skip_nonfinite:
         # The max-norm is finite exactly when every element is; a 2-norm could overflow.
-        keep = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
+        keep = all_finite(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite(), params)
     if found_inf is not None:
         step_ok = found_inf == 0
         keep = step_ok.expand(len(params)) if keep is None else keep & step_ok
@@ -246,21 +255,21 @@ def _multi_tensor_update(
 
     # mean(g² / max(u, ε²)) = ‖g / max(√u, ε)‖² / n, and √u is needed for the update anyway.
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    norms = torch._foreach_norm(torch._foreach_div(grads, torch._foreach_clamp_min(denom, eps)))
+    norms = torch.stack(torch._foreach_norm(torch._foreach_div(grads, torch._foreach_clamp_min(denom, eps))))
     # Divide rather than multiply by n^(-1/2): then RMS is exactly 1 when every g²/u is 1 (as on step 1).
-    torch._foreach_div_(norms, [math.sqrt(p.numel()) for p in params])
+    norms = torch._foreach_div(whole_norms(norms, params).unbind(), [math.sqrt(p.numel()) for p in params])
     rms = torch.stack(norms).float()
 
     eta = lr / (rms / group["clip_threshold"]).clamp_min(1)
     if keep is not None:
         eta = eta * keep
     if wd != 0:
-        torch._foreach_mul_(params, (1 - eta * wd).to(dtype).unbind())
+        torch._foreach_mul_(thetas, (1 - eta * wd).to(dtype).unbind())
     # θ −= η·v/(√u + ε) as one addcdiv, by folding −η into the denominator. A skipped tensor has η = 0:
     # its denominator becomes −inf and v/−inf adds a zero.
     torch._foreach_add_(denom, eps)
     torch._foreach_div_(denom, (-eta).to(dtype).unbind())
-    torch._foreach_addcdiv_(params, exp_avgs, denom)
+    torch._foreach_addcdiv_(thetas, exp_avgs, denom)
     torch._foreach_add_(steps, 1 if keep is None else keep.float().unbind())
     return rms, keep
 
@@ -296,6 +305,11 @@ def _fused_update(
 
 def _use_fused(group: dict[str, Any], p: Tensor) -> bool:
     """Whether the bucket of `p` (its device and dtype) takes the fused path."""
+    if isinstance(p, DTensor):
+        if group["fused"]:
+            raise ValueError("StableAdamW(fused=True) cannot step FSDP2-sharded (DTensor) parameters: its kernels "
+                             "take the RMS of the local shard, not of the whole tensor; pass fused=None or False")
+        return False
     if group["fused"] is None:
         # An explicit foreach=True asks for the foreach path.
         return group["foreach"] is None and p.is_cuda and p.dtype == torch.float32 and triton_available()

@@ -7,6 +7,10 @@ tensors and plain Python types and load with `torch.load(weights_only=True)`.
 
 A write that fails (disk full, quota, permissions) removes its `.tmp` directory and raises on every rank;
 the previous checkpoint stays as it was. See docs/reliability.md.
+
+Under FSDP2 (`trainer.data_parallel=fsdp2`) the model and optimizer state are gathered whole to rank 0's CPU and
+written in the layout DDP writes (`model_state`, `optimizer_state`), so a checkpoint moves freely between
+FSDP2, DDP and single-process runs, at any world size the loader allows.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ import shutil
 from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
 
 from src.trainer import faults
 from src.trainer.distributed import any_rank, barrier, broadcast_object
@@ -180,3 +193,61 @@ def load_file(directory: str, stem: str) -> dict:
             "unpickling those could run arbitrary code. stableclip never writes such files: delete it, or "
             "resume from another checkpoint with trainer.resume=PATH"
         ) from err
+
+
+# Gathering: whole tensors, one at a time, onto rank 0's CPU (the other ranks get {}). Loading: every rank
+# passes the whole state and keeps its own shards.
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+SCATTER = StateDictOptions(full_state_dict=True)
+
+
+def model_state(model: nn.Module) -> dict:
+    """The state dict of the whole model (under FSDP2: on rank 0, {} on the others; collective)."""
+    if isinstance(model, FSDPModule):
+        return get_model_state_dict(model, options=GATHER)
+    return model.state_dict()
+
+
+def load_model_state(model: nn.Module, state: dict) -> None:
+    if isinstance(model, FSDPModule):
+        set_model_state_dict(model, state, options=SCATTER)
+    else:
+        model.load_state_dict(state)
+
+
+def param_indices(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameter name -> the index `optimizer.state_dict()` gives it (param_groups order)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """`optimizer.state_dict()` of the whole model. Under FSDP2 (collective) torch keys it by parameter name;
+    it is renumbered to DDP's layout, on rank 0 only."""
+    if not isinstance(model, FSDPModule) or not optimizer.state:
+        # Without state (every step so far skipped by the dynamic scaler) there is nothing to gather, and torch
+        # would make some with a zero-lr step, which counts as a step.
+        return optimizer.state_dict()
+    state = get_optimizer_state_dict(model, optimizer, options=GATHER)
+    if not state:
+        return state
+    index = param_indices(model, optimizer)
+    return {
+        "state": dict(sorted((index[name], s) for name, s in state["state"].items())),
+        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    if not isinstance(model, FSDPModule):
+        optimizer.load_state_dict(state)
+        return
+    name = {i: n for n, i in param_indices(model, optimizer).items()}
+    by_name = {
+        "state": {name[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=SCATTER)
+    # It rebuilds the groups' tuples (betas) as lists; take the hyperparameters as saved, as load_state_dict does.
+    for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        group.update((key, value) for key, value in saved.items() if key != "params")

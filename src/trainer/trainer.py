@@ -11,13 +11,14 @@ import time
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
 from src.models.clip import build_model
-from src.models.parallelize import apply_compile
+from src.models.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
@@ -28,6 +29,7 @@ from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
 from src.trainer.preemption import Preemption
+from src.trainer.preflight import check_data_parallel
 from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
 
@@ -75,6 +77,9 @@ class Trainer:
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
         self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
         self.check_config()
+        check_data_parallel(cfg.trainer.data_parallel, video=bool(cfg.data.frames))
+        # One rank has nothing to shard: it runs the plain model, as DDP does.
+        self.sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
         # Same seed on every rank for identical initial weights; per-rank streams afterwards.
         torch.manual_seed(cfg.trainer.seed)
         self.model = self.build_model()
@@ -84,7 +89,9 @@ class Trainer:
         random.seed(cfg.trainer.seed + dist_info.rank)
         np.random.seed(cfg.trainer.seed + dist_info.rank)
         self.forward_model = self.model
-        if dist_info.world_size > 1:
+        if self.sharded:
+            apply_fsdp(self.model, init_device_mesh(self.device.type, (dist_info.world_size,)))
+        elif dist_info.world_size > 1:
             self.forward_model = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
@@ -164,8 +171,9 @@ class Trainer:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm(grads, self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
                                    ignore_nonfinite=self.scaler.skips_tensors)
-        # Gradients are averaged across ranks by now, so every rank takes the same decision. (The fixed scaler's
-        # norm leaves non-finite tensors out: the optimizer skips those one by one instead.)
+        # Gradients are averaged across ranks by now (under FSDP2 the norm adds up every rank's shards), so every
+        # rank takes the same decision. (The fixed scaler's norm leaves non-finite tensors out: the optimizer skips
+        # those one by one instead, also agreeing across shards.)
         found_inf = (~grad_norm.isfinite()).float()
         self.scaler.step(self.optimizer, found_inf)
         values = {"loss": loss.detach(), "grad_norm": grad_norm, "skipped_step": found_inf,
@@ -281,17 +289,21 @@ class Trainer:
         }
 
     def run_eval(self) -> None:
-        """On rank 0 only, on the unwrapped model; the other ranks wait."""
-        if self.dist.is_main:
-            faults.pause("eval", self.step)
+        """On rank 0 only, on the unwrapped model; the other ranks wait. Under FSDP2 every forward needs every
+        rank's shards, so all ranks evaluate the same data and rank 0 logs."""
+        if self.dist.is_main or self.sharded:
+            if self.dist.is_main:
+                faults.pause("eval", self.step)
             cfg = self.cfg
-            results = evaluate(
-                self.model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
-                image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-                num_workers=cfg.data.num_workers, device=self.device, prepare_images=self.normalize,
-                autocast=self.autocast, zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
-            )
-            self.log_eval(results)
+            with unsharded_root(self.model):
+                results = evaluate(
+                    self.model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
+                    image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+                    num_workers=cfg.data.num_workers, device=self.device, prepare_images=self.normalize,
+                    autocast=self.autocast, zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
+                )
+            if self.dist.is_main:
+                self.log_eval(results)
         barrier()
 
     def log_eval(self, results: dict[str, float]) -> None:
@@ -303,9 +315,10 @@ class Trainer:
 
     def save(self) -> None:
         shared = {
-            "model": self.model.state_dict(),
+            "model": checkpoint.model_state(self.model),
             "train_state": {
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "optimizer": checkpoint.optimizer_state(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "world_size": self.dist.world_size, "scaler": self.scaler.state_dict(),
                 "spikes": self.spikes.state_dict(), "nonfinite_streak": self.nonfinite_streak,
                 "eval_pending": self.eval_pending,
@@ -329,9 +342,9 @@ class Trainer:
                 f"{path!r} has no state for rank {self.dist.rank}: it was saved with fewer ranks; resume "
                 "with the world size it was saved with"
             )
-        self.model.load_state_dict(checkpoint.load_file(path, "model"))
+        checkpoint.load_model_state(self.model, checkpoint.load_file(path, "model"))
         state = checkpoint.load_file(path, "train_state")
-        self.optimizer.load_state_dict(state["optimizer"])
+        checkpoint.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.scaler.load_state_dict(state["scaler"])

@@ -101,60 +101,121 @@ def low_precision_matmul(
     return kernels.int8_matmul(qa, scale_a, qb, scale_b, bias, out_dtype)
 
 
-class SwitchBackLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: Variant,
-                backend: str) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        qx, sx, _ = quantize_rows(variant, backend, x2)
-        if variant.weight_dim_forward is None:
-            # Backward scales W the same way, so its quantized copy (1 byte per weight) is kept for it, laid
-            # out as the input-gradient matmul reads it.
-            qw, qwt, sw = quantize_tensor(variant, backend, weight)
-            saved_weight = (qwt, sw)
-        else:
-            qw, sw, _ = quantize_rows(variant, backend, weight)
-            sw, saved_weight = sw.reshape(1, -1), (weight,)
-        out = low_precision_matmul(variant, backend, qx, sx, qw.t(), sw, bias, x.dtype)
-        ctx.variant, ctx.backend, ctx.has_bias = variant, backend, bias is not None
-        ctx.x_dtype, ctx.x_shape, ctx.weight_dtype = x.dtype, x.shape, weight.dtype
-        ctx.save_for_backward(*((qx, sx) if variant.save_int8_input else (x2,)), *saved_weight)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+# The layer is a pair of torch.library custom ops, so torch.compile keeps a block with SwitchBack layers in one
+# graph (an opaque call, as for any matmul) instead of breaking it at every layer, which cost the LayerNorm,
+# GELU and residual fusions around them. Ops may not return their inputs or None, so the tensors a variant
+# does not keep travel as empty placeholders.
+_FORWARD_SCHEMA = (
+    "(Tensor x, Tensor weight, Tensor? bias, str variant, str backend) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_BACKWARD_SCHEMA = (
+    "(Tensor grad, Tensor x, Tensor qx, Tensor sx, Tensor weight, Tensor qwt, Tensor sw, str variant, str backend, "
+    "ScalarType x_dtype, ScalarType weight_dtype, bool need_x, bool need_weight, bool need_bias) "
+    "-> (Tensor, Tensor, Tensor)"
+)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        variant, backend = ctx.variant, ctx.backend
-        saved = list(ctx.saved_tensors)
-        if variant.save_int8_input:
-            x2 = ref.dequantize_int8(saved.pop(0), saved.pop(0)).to(ctx.x_dtype)
-        else:
-            x2 = saved.pop(0)
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
-        grad_x = grad_w = grad_b = column_sums = None
-        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[0]:
-            # G's column sums are the bias gradient: the quantizer reads G once for both.
-            qg, sg, column_sums = quantize_rows(variant, backend, g2, column_sums=want_bias)
-            if variant.weight_dim_backward is None:
-                qwt, sw = saved
-            else:  # a scale per input column of W: rows of Wᵀ
-                qwt, sw, _ = quantize_rows(variant, backend, saved[0].t())
-                sw = sw.reshape(1, -1)
-            grad_x = low_precision_matmul(variant, backend, qg, sg, qwt.t(), sw, None, ctx.x_dtype)
-            grad_x = grad_x.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g2.t() @ x2).to(ctx.weight_dtype)  # the switch back: 16-bit (or fp32) weight gradient
-        if want_bias:
-            grad_b = (g2.float().sum(0) if column_sums is None else column_sums).to(ctx.weight_dtype)
-        return grad_x, grad_w, grad_b, None, None
+
+def _placeholders(like: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """Distinct empty tensors: a custom op's outputs may not alias one another."""
+    return tuple(like.new_empty(0) for _ in range(count))
+
+
+@torch.library.custom_op("stableclip::switchback_forward", mutates_args=(), schema=_FORWARD_SCHEMA)
+def _forward(x, weight, bias, variant, backend):
+    """x [M, K] -> (out [M, N], then what backward needs besides x and W: int8 X and its row scales (memeff),
+    the quantized Wᵀ [K, N] and its scale (tensor-wise W); empty where the variant keeps nothing)."""
+    v = VARIANTS[variant]
+    qx, sx, _ = quantize_rows(v, backend, x)
+    if v.weight_dim_forward is None:
+        # Backward scales W the same way, so its quantized copy (1 byte per weight) is kept for it, laid out
+        # as the input-gradient matmul reads it.
+        qw, qwt, sw = quantize_tensor(v, backend, weight)
+        saved_w = (qwt.contiguous(), sw)
+    else:
+        qw, sw, _ = quantize_rows(v, backend, weight)
+        sw, saved_w = sw.reshape(1, -1), _placeholders(x, 2)
+    out = low_precision_matmul(v, backend, qx, sx, qw.t(), sw, bias, x.dtype)
+    saved_x = (qx, sx) if v.save_int8_input else _placeholders(x, 2)
+    return out, *saved_x, *saved_w
+
+
+@_forward.register_fake
+def _(x, weight, bias, variant, backend):
+    v = VARIANTS[variant]
+    q_dtype = torch.float8_e4m3fn if v.fp8 else torch.int8
+    (rows, inner), outputs = x.shape, weight.shape[0]
+    saved_x = (x.new_empty(rows, inner, dtype=q_dtype), x.new_empty(rows, 1, dtype=torch.float32))
+    saved_w = (x.new_empty(inner, outputs, dtype=q_dtype), x.new_empty(1, 1, dtype=torch.float32))
+    return (x.new_empty(rows, outputs), *(saved_x if v.save_int8_input else _placeholders(x, 2)),
+            *(saved_w if v.weight_dim_forward is None else _placeholders(x, 2)))
+
+
+@torch.library.custom_op("stableclip::switchback_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def _backward(grad, x, qx, sx, weight, qwt, sw, variant, backend, x_dtype, weight_dtype, need_x, need_weight,
+              need_bias):
+    """(grad_x, grad_w, grad_b), each empty where not needed."""
+    v = VARIANTS[variant]
+    if v.save_int8_input:
+        x = ref.dequantize_int8(qx, sx).to(x_dtype)
+    g = grad.to(x_dtype)
+    grad_x = grad_w = grad_b = column_sums = None
+    if need_x:
+        # G's column sums are the bias gradient: the quantizer reads G once for both.
+        qg, sg, column_sums = quantize_rows(v, backend, g, column_sums=need_bias)
+        if v.weight_dim_backward is not None:  # a scale per input column of W: rows of Wᵀ
+            qwt, sw, _ = quantize_rows(v, backend, weight.t())
+            sw = sw.reshape(1, -1)
+        grad_x = low_precision_matmul(v, backend, qg, sg, qwt.t(), sw, None, x_dtype)
+    if need_weight:
+        grad_w = (g.t() @ x).to(weight_dtype)  # the switch back: 16-bit (or fp32) weight gradient
+    if need_bias:
+        grad_b = (g.float().sum(0) if column_sums is None else column_sums).to(weight_dtype)
+    return tuple(grad.new_empty(0) if t is None else t for t in (grad_x, grad_w, grad_b))
+
+
+@_backward.register_fake
+def _(grad, x, qx, sx, weight, qwt, sw, variant, backend, x_dtype, weight_dtype, need_x, need_weight, need_bias):
+    rows, outputs = grad.shape
+    inner = qwt.shape[0] if qwt.numel() else (weight.shape[1] if weight.numel() else x.shape[1])
+    return (grad.new_empty(rows, inner, dtype=x_dtype) if need_x else grad.new_empty(0),
+            grad.new_empty(outputs, inner, dtype=weight_dtype) if need_weight else grad.new_empty(0),
+            grad.new_empty(outputs, dtype=weight_dtype) if need_bias else grad.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, variant, backend = inputs
+    v = VARIANTS[variant]
+    _, qx, sx, qwt, sw = output
+    ctx.variant, ctx.backend, ctx.has_bias = variant, backend, bias is not None
+    ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
+    ctx.save_for_backward(None if v.save_int8_input else x, qx, sx,
+                          weight if v.weight_dim_forward is not None else None, qwt, sw)
+
+
+def _grads(ctx, grad, *_unused):
+    x, qx, sx, weight, qwt, sw = ctx.saved_tensors
+    empty = grad.new_empty(0)
+    need_bias = ctx.has_bias and ctx.needs_input_grad[2]
+    grad_x, grad_w, grad_b = torch.ops.stableclip.switchback_backward(
+        grad.contiguous(), empty if x is None else x, qx, sx, empty if weight is None else weight, qwt, sw,
+        ctx.variant, ctx.backend, ctx.x_dtype, ctx.weight_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        need_bias)
+    return (grad_x if ctx.needs_input_grad[0] else None, grad_w if ctx.needs_input_grad[1] else None,
+            grad_b if need_bias else None, None, None)
+
+
+_forward.register_autograd(_grads, setup_context=_setup_context)
 
 
 def switchback_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str, backend: str = "cuda"
 ) -> torch.Tensor:
     """`F.linear` with SwitchBack arithmetic. Under autocast the output has the autocast dtype, like F.linear."""
+    if variant not in VARIANTS:
+        raise ValueError(f"model.linear={variant!r} is not one of {', '.join(VARIANTS)}")
     device = x.device.type
-    if torch.is_autocast_enabled(device):
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False):
-        return SwitchBackLinearFunction.apply(x, weight, bias, VARIANTS[variant], backend)
+        out = torch.ops.stableclip.switchback_forward(x.reshape(-1, x.shape[-1]), weight, bias, variant, backend)[0]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
