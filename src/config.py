@@ -48,7 +48,6 @@ class VideoConfig:
     head_ls_init: float = 0.0
     head_impl: str = "lv_xattn"
     head_recompute: bool = True
-    visual_mlp_ratio: float = 0.0
     vision_trainable_blocks: int = -1
     video_text_weight: float = 1.0
     image_text_weight: float = 0.0

@@ -11,6 +11,7 @@ residual adds, layer-scale), which cost little time but a large share of the mem
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 
 import torch
@@ -41,6 +42,15 @@ def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     # MUST_SAVE: under torch.compile the partitioner may not trade a kept matmul back for recomputation.
     # PREFER_RECOMPUTE: it may still keep a fused element-wise result where that is cheaper than redoing it.
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# The outputs `selective` keeps then pass through the caller's saved-tensor hooks (CPU offload, the tests'
+# memory measurement) like any other saved tensor. PyTorch 2.14 has the switch (and warns without it); 2.11,
+# the GPU image's, passes unknown keywords on to the checkpointed function instead.
+_RESPECT_HOOKS = (
+    {"respect_saved_tensors_hooks": True}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
+)
 
 
 def _selective_contexts():
@@ -144,12 +154,8 @@ class Block(nn.Module):
         if self.checkpoint_policy == "full":
             # No context_fn at all: TorchDynamo rejects torch's own noop_context_fn as one.
             return checkpoint(self._forward, x, causal, use_reentrant=False)
-        # respect_saved_tensors_hooks: the outputs `selective` keeps then pass through the caller's saved-tensor
-        # hooks (CPU offload, the tests' memory measurement) like any other saved tensor.
-        return checkpoint(
-            self._forward, x, causal, use_reentrant=False, context_fn=_selective_contexts,
-            respect_saved_tensors_hooks=True,
-        )
+        return checkpoint(self._forward, x, causal, use_reentrant=False, context_fn=_selective_contexts,
+                          **_RESPECT_HOOKS)
 
     def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         x = x + self.ls_1(self.attn(self.ln_1(x), causal=causal))

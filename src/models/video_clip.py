@@ -157,10 +157,6 @@ class VideoCLIP(nn.Module):
             self.temporal_embedding = nn.Parameter(temporal_init(frames, width).to(device))
             with torch.device(device):
                 self.head = VideoTextHead(cfg.text.width, width, cfg.embed_dim, video)
-                # Attention averages its values, so over linear keys/values a moving shape and the same shape
-                # moving back look alike; a per-token MLP over (patch + time) gives features of where *and*
-                # when, whose average tells the order (docs/video.md).
-                self.visual_mlp = MLPBlock(width, video.visual_mlp_ratio, 1.0) if video.visual_mlp_ratio else None
 
     @property
     def logit_scale(self) -> nn.Parameter:
@@ -192,10 +188,7 @@ class VideoCLIP(nn.Module):
             tokens = tokens[:, 1:].mean(dim=1, keepdim=True)
         tokens = tokens.view(batch, local, *tokens.shape[1:])
         position = self.temporal_embedding[first_frame : first_frame + local].to(tokens.dtype)
-        sequence = (tokens + position[None, :, None]).flatten(1, 2)
-        if self.visual_mlp is not None:
-            sequence = self.visual_mlp(sequence)
-        return sequence, video
+        return (tokens + position[None, :, None]).flatten(1, 2), video
 
     def encode_text(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Caption token ids (B, L) -> (the head's queries (B, Lq, width), their pooling weights (B, Lq), the
