@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import random
 import shutil
 import tarfile
 
@@ -11,6 +12,7 @@ from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
 from src.data.loader import TrainLoader, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
+from src.data.synthetic_shapes import draw_sample, where
 
 
 def data_config(shards: str | None, batch_size: int, num_workers: int, shuffle_buffer: int = 50, **kw) -> DataConfig:
@@ -259,3 +261,12 @@ def test_resampled_mode_resumes_with_another_worker_count(shapes):
                         image_size=32, context_length=16, seed=0)
     other.load_state_dict(first.state_dict())  # new draws, no error
     assert other.batches == 1 and len(next(other)["keys"]) == 20
+
+
+def test_captions_say_where_an_off_centre_shape_sits():
+    assert where(0.2, 0.5) == ", on the left"
+    assert where(0.5, 0.8) == ", down low"
+    assert where(0.7, 0.1) == ", on the right, up high"
+    assert where(0.5, 0.5) == ""
+    caption = draw_sample(random.Random(0), 32)[2]
+    assert caption.endswith(", on the right, down low")  # the first sample sits bottom right

@@ -1,7 +1,10 @@
 """A small, learnable image-caption dataset: coloured shapes on coloured backgrounds.
 
 Each image shows one shape; its class is (colour, shape), e.g. "red triangle". Captions vary the phrasing
-and mention the background, so the text tower has to find the class words. The held-out split is written
+and mention the background, so the text tower has to find the class words. They also say where the shape
+sits when it is clearly off-centre ("on the left", "up high"): the words "left", "right", "up" and "down"
+then mean something to the quickstart's text tower, which video fine-tuning needs to learn "moving left"
+(docs/video.md). The held-out split is written
 with class labels in `.json` and a `classes.json` (class names and zero-shot prompt templates), which the
 trainer's zero-shot evaluation reads.
 """
@@ -61,7 +64,14 @@ def draw_sample(rng: random.Random, size: int) -> tuple[Image.Image, int, str]:
         draw.rectangle([cx - r, cy - w, cx + r, cy + w], fill=fill)
         draw.rectangle([cx - w, cy - r, cx + w, cy + r], fill=fill)
     caption = rng.choice(CAPTIONS).format(c=colour, s=shape, b=background)
-    return image, label, caption
+    return image, label, caption + where(cx / size, cy / size)
+
+
+def where(x: float, y: float) -> str:
+    """Where the shape sits, in words, when it is clearly off-centre: ", on the left, up high" (x, y in 0..1)."""
+    words = [phrase for value, phrase in ((x, ("on the left", "on the right")), (y, ("up high", "down low")))
+             for phrase in ([phrase[0]] if value < 0.4 else [phrase[1]] if value > 0.6 else [])]
+    return "".join(f", {w}" for w in words)
 
 
 def write_shard(path: str, seed: int, first: int, count: int, size: int) -> int:
