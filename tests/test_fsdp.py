@@ -196,6 +196,11 @@ def assert_same_tensors(got, want, path: str = "") -> None:
             assert_same_tensors(a, b, f"{path}/{i}")
     elif isinstance(want, torch.Tensor):
         assert not isinstance(got, DTensor) and got.shape == want.shape and got.dtype == want.dtype, path
+        if path.endswith("attn.in_proj_bias"):
+            # The key bias shifts every score of a query alike, which softmax ignores: its true gradient is 0,
+            # and Adam turns the rounding noise left in it into ±lr steps that differ with the summation order.
+            third = len(want) // 3
+            got, want = torch.cat([got[:third], got[2 * third:]]), torch.cat([want[:third], want[2 * third:]])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=path)
     elif isinstance(want, float):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), path
