@@ -69,9 +69,13 @@ def draw_sample(rng: random.Random, size: int) -> tuple[Image.Image, int, str]:
 
 def where(x: float, y: float) -> str:
     """Where the shape sits, in words, when it is clearly off-centre: ", on the left, up high" (x, y in 0..1)."""
-    words = [phrase for value, phrase in ((x, ("on the left", "on the right")), (y, ("up high", "down low")))
-             for phrase in ([phrase[0]] if value < 0.4 else [phrase[1]] if value > 0.6 else [])]
-    return "".join(f", {w}" for w in words)
+    words = ""
+    for value, (low, high) in ((x, ("on the left", "on the right")), (y, ("up high", "down low"))):
+        if value < 0.4:
+            words += f", {low}"
+        elif value > 0.6:
+            words += f", {high}"
+    return words
 
 
 def write_shard(path: str, seed: int, first: int, count: int, size: int) -> int:
