@@ -15,10 +15,13 @@ layer is `CrossAttentionBlock` with recomputation on:
 - ring:      Ring-Attention, queries sharded, K/V rotating.
 The link mode is read from the NCCL variables the caller sets. The same run measures the link's bandwidth (a
 bidirectional send/recv), times the local attention kernels, and prints next to each measurement the time the
-communication formula predicts (docs/lv_xattn.md). Every config is measured once per `--kv-chunks` setting of
-the split-KV forward (default: `auto 1`, the automatic split and no split, side by side; each row's `kv_chunks`
-says which). Times are CUDA-event medians, the slowest rank's; a config whose estimated memory does not fit is
-skipped and listed. Prints a markdown table; --out writes JSON.
+communication formula predicts (docs/lv_xattn.md). The distributed layers get every rank's shard lengths
+once per config (`shard_lengths`), as a model passes them to all its layers; `--lengths exchanged given` also
+measures them exchanging shapes in every call (a host synchronisation per call), each row's `lengths` says
+which. Times are CUDA-event medians, the slowest rank's; a config whose estimated memory does not fit is
+skipped and listed. Prints a markdown table; --out writes JSON. `--profile DIR` also runs each layer a few
+times under torch.profiler and prints where its GPU time goes and how long the GPU sat idle (rank 0's
+Chrome traces go to DIR).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ import torch.distributed as dist
 
 from src.models import lv_xattn as lv_module
 from src.models import ring_xattn as ring_module
-from src.models import xattn_core
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
+from src.models.xattn_comm import shard_lengths
 from src.models.xattn_core import block_backward, block_forward
 
 IMPLS = {  # name -> (block impl, q_sharded, byte counter)
@@ -153,9 +156,37 @@ def attention_ms(sq: int, skv_local: int, heads: int, dim: int, dtype, device, b
     return fwd, bwd
 
 
-def kv_chunks_setting(text: str) -> str | int:
-    """'auto' (the automatic split-KV heuristic) or a forced chunk count (1 = no split)."""
-    return text if text == "auto" else int(text)
+def profile(fn, label: str, device: torch.device, folder: str, steps: int = 3) -> None:
+    """Run fn `steps` times under torch.profiler and print, per step: the GPU's busy time (the union of all
+    kernel intervals, every stream), its idle time inside the span from the first kernel to the last, the
+    kernel count, and the kernels that take the most time. Rank 0 prints and writes its Chrome trace."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    synchronize(device)
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        synchronize(device)
+    if dist.get_rank() != 0:
+        return
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach, totals = 0.0, float("-inf"), {}
+    for start, end, name in kernels:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+        totals[name] = totals.get(name, 0.0) + end - start
+    span = kernels[-1][1] - kernels[0][0] if kernels else 0.0
+    top = sorted(totals.items(), key=lambda item: -item[1])[:6]
+    print(f"### profile {label}: per step GPU busy {busy / steps / 1e3:.2f} ms, idle {(span - busy) / steps / 1e3:.2f} "
+          f"ms, {len(kernels) // steps} kernels", flush=True)
+    for name, total in top:
+        print(f"    {total / steps / 1e3:7.3f} ms  {name[:110]}", flush=True)
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, label.replace(" ", "_").replace("=", "") + ".json"))
 
 
 def fits(skv_local: int, width: int, device: torch.device) -> bool:
@@ -178,18 +209,20 @@ def run_config(args, sq: int, skv: int, device: torch.device, dtype, bw: float) 
     torch.manual_seed(0)
     block = CrossAttentionBlock(width, heads, ls_init_value=0.1, recompute=True).to(device, dtype)
     rows = []
-    for setting in args.kv_chunks:
-        xattn_core.KV_CHUNKS = None if setting == "auto" else setting
-        attn = attention_ms(sq, skv_local, heads, dim, dtype, device, args.budget)
+    attn = attention_ms(sq, skv_local, heads, dim, dtype, device, args.budget)
+    for setting in args.lengths:
         local_ms = None
         for name, (impl, q_sharded, counter) in IMPLS.items():
             block.impl = impl
             text = text_all.chunk(world, dim=1)[rank] if q_sharded else text_all
             text = text.detach().requires_grad_()
             grad = torch.ones_like(text)
+            lengths = None
+            if setting == "given" and name != "local":
+                lengths = shard_lengths(text.shape[1], skv_local, device)
 
-            def step(text=text, q_sharded=q_sharded, grad=grad):
-                block(text, visual, q_sharded=q_sharded).backward(grad)
+            def step(text=text, q_sharded=q_sharded, grad=grad, lengths=lengths):
+                block(text, visual, q_sharded=q_sharded, lengths=lengths).backward(grad)
 
             if counter is not None:
                 counter.reset()
@@ -200,7 +233,9 @@ def run_config(args, sq: int, skv: int, device: torch.device, dtype, bw: float) 
             ms = time_ms(step, device, args.budget)
             local_ms = ms if name == "local" else local_ms
             predicted = predict_ms(name, local_ms, attn, sq, skv_local, heads, dim, world, bw)
-            rows.append(dict(S_Q=sq, S_KV=skv, S_KV_per_rank=skv_local, kv_chunks=setting, impl=name, ms=ms,
+            if args.profile:
+                profile(step, f"S_Q={sq} S_KV={skv} lengths={setting} {name}", device, args.profile)
+            rows.append(dict(S_Q=sq, S_KV=skv, S_KV_per_rank=skv_local, lengths=setting, impl=name, ms=ms,
                              predicted_ms=predicted, bytes_forward=sent[0], bytes_backward=sent[1],
                              attention_fwd_ms=attn[0], attention_bwd_ms=attn[1],
                              peak_GiB=torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None))
@@ -226,18 +261,37 @@ def hide_threshold(row: dict, heads: int, dim: int, world: int, bw: float) -> fl
     return max(row["S_KV_per_rank"] * rows_seconds * b / (row[k] / 1e3) for k, b in in_flight.items())
 
 
+def within_threshold(row: dict, heads: int, dim: int, world: int, bw: float, margin: float = 0.10) -> int:
+    """The smallest S_KV/P at which the communication formula (`predict_ms`, the exposed last accumulator hop
+    included) puts the LV-XAttn ring within `margin` of local compute, at this row's S_Q. The local times
+    are this local-only row's, scaled linearly in S_KV/P. With P = 2 nothing overlaps the last hop, so this
+    lies above `hide_threshold`."""
+    def ratio(skv_local: int) -> float:
+        f = skv_local / row["S_KV_per_rank"]
+        local, attn = row["ms"] * f, (row["attention_fwd_ms"] * f, row["attention_bwd_ms"] * f)
+        return predict_ms("lv_xattn", local, attn, row["S_Q"], skv_local, heads, dim, world, bw) / local
+
+    low, high = 1, max(2, row["S_KV_per_rank"])
+    while ratio(high) > 1 + margin:
+        low, high = high, high * 2
+    while high - low > 1:  # the ratio falls as S_KV/P grows: the bytes stay, the compute grows
+        middle = (low + high) // 2
+        low, high = (low, middle) if ratio(middle) <= 1 + margin else (middle, high)
+    return high
+
+
 def _cell(row: dict) -> str:
     return f"{row['ms']:.2f} ({row['predicted_ms']:.2f})"
 
 
 def table(rows: list[dict], memory: list[dict]) -> str:
-    lines = ["| S_Q | S_KV | S_KV/P | KV chunks | local ms | LV-XAttn ms (pred.) | LV gather ms (pred.) "
+    lines = ["| S_Q | S_KV | S_KV/P | lengths | local ms | LV-XAttn ms (pred.) | LV gather ms (pred.) "
              "| LV all-reduce ms (pred.) | Ring ms (pred.) | LV / local | LV gather / local | Ring / LV "
              "| saved act. MiB, recompute on / off |", "|" + " --- |" * 13]
     for mem in memory:
-        for setting in dict.fromkeys(r["kv_chunks"] for r in rows):
+        for setting in dict.fromkeys(r["lengths"] for r in rows):
             by = {r["impl"]: r for r in rows
-                  if (r["S_Q"], r["S_KV"], r["kv_chunks"]) == (mem["S_Q"], mem["S_KV"], setting)}
+                  if (r["S_Q"], r["S_KV"], r["lengths"]) == (mem["S_Q"], mem["S_KV"], setting)}
             lines.append(
                 f"| {mem['S_Q']} | {mem['S_KV']} | {by['local']['S_KV_per_rank']} | {setting} "
                 f"| {by['local']['ms']:.2f} | {_cell(by['lv_xattn'])} | {_cell(by['lv_gather'])} "
@@ -252,12 +306,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, tiny sizes")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of timed calls per measurement")
-    parser.add_argument("--kv-chunks", nargs="+", type=kv_chunks_setting, default=["auto", 1],
-                        help="split-KV forward settings to measure each config with: auto and/or chunk counts "
-                             "(1 = no split)")
+    parser.add_argument("--lengths", nargs="+", choices=["given", "exchanged"], default=["given"],
+                        help="shard lengths passed to the layers once per config (given) and/or exchanged by "
+                             "every call (exchanged: a host synchronisation per call)")
+    parser.add_argument("--sq", nargs="+", type=int, help="query lengths S_Q (default: 1024 4096)")
+    parser.add_argument("--skv", nargs="+", type=int, help="total key lengths S_KV (default: 65536 262144 1048576)")
+    parser.add_argument("--profile", metavar="DIR", help="also profile every layer; rank 0's traces go to DIR")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc_per_node=2 bench/lv_xattn.py", file=sys.stderr)
+        return 2
+    if args.quick and args.profile:
+        print("--profile needs CUDA GPUs: it reports the kernel timeline", file=sys.stderr)
         return 2
     if args.quick:
         device, sq_list, skv_list = torch.device("cpu"), [16], [64, 256]
@@ -269,7 +329,7 @@ def main() -> int:
             return 2
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        sq_list, skv_list = [1024, 4096], [65536, 262144, 1048576]
+        sq_list, skv_list = args.sq or [1024, 4096], args.skv or [65536, 262144, 1048576]
         args.heads, args.head_dim, link_bytes = 16, 128, 256 * 2**20
         dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=10))
     world, rank, dtype = dist.get_world_size(), dist.get_rank(), torch.bfloat16
@@ -292,11 +352,17 @@ def main() -> int:
     if rank == 0:
         largest = max((r for r in rows if r["impl"] == "local"), key=lambda r: (r["S_KV"], r["S_Q"]))
         threshold = hide_threshold(largest, args.heads, args.head_dim, world, bw)
-        print(f"\n## {mode}, {bw:.1f} GB/s: LV-XAttn's transfers hide once S_KV/P >= {threshold:,.0f}\n")
+        within = {sq: within_threshold(max((r for r in rows if r["impl"] == "local" and r["S_Q"] == sq),
+                                           key=lambda r: r["S_KV"]), args.heads, args.head_dim, world, bw)
+                  for sq in dict.fromkeys(r["S_Q"] for r in rows)}
+        print(f"\n## {mode}, {bw:.1f} GB/s: LV-XAttn's transfers hide once S_KV/P >= {threshold:,.0f}; the "
+              "formula puts it within 10% of local from S_KV/P >= "
+              + ", ".join(f"{n:,} (S_Q = {sq})" for sq, n in within.items()) + "\n")
         print(table(rows, memory))
         for skip in skipped:
             print(f"skipped S_Q={skip['S_Q']} S_KV={skip['S_KV']}: {skip['reason']}")
         result = dict(mode=mode, world=world, bandwidth_GBps=bw, hide_threshold_S_KV_per_rank=threshold,
+                      within_10pct_S_KV_per_rank={str(sq): n for sq, n in within.items()},
                       heads=args.heads, head_dim=args.head_dim, dtype=str(dtype), torch=torch.__version__,
                       device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), rows=rows, memory=memory,

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from src.models import lv_xattn as lv_module
 from src.models import ring_xattn as ring_module
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
+from src.models.xattn_comm import ShardLengths, shard_lengths
 from src.models.xattn_core import cross_attention_reference, merge_partials, visible_keys
 
 # Keyed by the layer's impl names, so that every op case and layer case runs for each.
@@ -127,11 +128,11 @@ def make_block(case: Case) -> CrossAttentionBlock:
                                impl=case.impl).double()
 
 
-def run_op(case: Case, t: dict[str, torch.Tensor], group=None) -> dict:
+def run_op(case: Case, t: dict[str, torch.Tensor], group=None, lengths: ShardLengths | None = None) -> dict:
     fn, counter = OPS[case.impl]
     q, k, v = (t[n].requires_grad_() for n in "qkv")
     counter.reset()
-    out = fn(q, k, v, group, q_sharded=case.q_sharded, scale=case.scale, **mask_args(t))
+    out = fn(q, k, v, group, q_sharded=case.q_sharded, scale=case.scale, lengths=lengths, **mask_args(t))
     forward = counter.forward
     (out * t["g"]).sum().backward()
     return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, forward=forward, backward=counter.backward)
@@ -153,6 +154,16 @@ def worker(rank: int, world: int, folder: str) -> None:
                             timeout=timedelta(seconds=120))
     results = {case.id: run_op(case, local_part(case, tensors(case), rank)) for case in op_cases(world)}
     results.update({case.id: run_layer(case, local_part(case, tensors(case), rank)) for case in layer_cases(world)})
+    for case in op_cases(world):  # the same calls with the lengths exchanged beforehand, once per case
+        if case.name in ("uneven_empty", "masked"):
+            local = local_part(case, tensors(case), rank)
+            lengths = shard_lengths(local["q"].shape[2], local["k"].shape[2], local["q"].device)
+            results[f"{case.id}-lengths"] = run_op(case, local, lengths=lengths)
+    try:  # lengths that disagree with this rank's tensors
+        lv_module.lv_xattn(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8),
+                           lengths=ShardLengths((4,) * world, (2,) * world))
+    except ValueError as error:
+        results["lengths_error"] = str(error)
     try:  # replicated queries of different lengths must fail on every rank, not hang
         lv_module.lv_xattn(torch.zeros(1, 1, 3 + rank, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8),
                            q_sharded=False)
@@ -273,6 +284,22 @@ def test_layer_matches_reference(distributed, index):
             lq = case.q_lens[rank] if case.q_sharded else case.q_lens[0]
             inputs = 2 * (lq * 16 + case.kv_lens[rank] * 12)
             assert got["saved"] == 8 * (inputs + 2 * 4 * lq * (4 + 1)), f"rank {rank} saved bytes"
+
+
+def test_lengths_given_beforehand_change_nothing(distributed):
+    """Passing `shard_lengths` skips the per-call shape exchange; outputs, gradients and bytes are identical."""
+    world, results = distributed
+    cases = [c for c in op_cases(world) if c.name in ("uneven_empty", "masked")]
+    assert cases
+    for case in cases:
+        for rank, got in enumerate(results):
+            with_lengths = got[f"{case.id}-lengths"]
+            for name in ("out", "dq", "dk", "dv", "forward", "backward"):
+                expected, actual = got[case.id][name], with_lengths[name]
+                same = torch.equal(actual, expected) if isinstance(expected, torch.Tensor) else actual == expected
+                assert same, f"{case.id} rank {rank} {name}"
+    for rank, got in enumerate(results):
+        assert f"lengths say rank {rank} holds 4 queries and 2 keys, but it holds 3 and 2" in got["lengths_error"]
 
 
 def test_replicated_queries_of_different_lengths_fail_on_every_rank(distributed):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from src.models.lv_xattn import LV_XATTN, LV_XATTN_GATHER
 from src.models.ring_xattn import RING_XATTN
 from src.models.transformer import LayerScale
-from src.models.xattn_comm import XAttnEngine, XAttnFunction, make_layout
+from src.models.xattn_comm import ShardLengths, XAttnEngine, XAttnFunction, make_layout
 
 ENGINES = {"lv_xattn": LV_XATTN, "lv_xattn_gather": LV_XATTN_GATHER, "ring": RING_XATTN, "local": LV_XATTN}
 T = TypeVar("T")
@@ -85,17 +85,17 @@ class CrossAttentionBlock(nn.Module):
     def forward(
         self, text: Tensor, visual: Tensor, group: dist.ProcessGroup | None = None, *, q_sharded: bool = False,
         key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
-        kv_segment_ids: Tensor | None = None,
+        kv_segment_ids: Tensor | None = None, lengths: ShardLengths | None = None,
     ) -> Tensor:
         """text [B, Lq, width] (all queries, or this rank's block if q_sharded); visual [B, Skv_local, kv_width],
-        this rank's shard; masks as in `lv_xattn`. Returns text + ls(o_proj(attention))."""
+        this rank's shard; masks and `lengths` as in `lv_xattn`. Returns text + ls(o_proj(attention))."""
         if text.dim() != 3 or visual.dim() != 3 or text.shape[0] != visual.shape[0]:
             raise ValueError(f"text {tuple(text.shape)} and visual {tuple(visual.shape)} must be [B, L, width] "
                              "with the same batch size")
         layout_args = dict(
             group=group, q_sharded=q_sharded, key_padding_mask=key_padding_mask, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, scale=None, counter=ENGINES[self.impl].counter,
-            single_process=self.impl == "local")
+            single_process=self.impl == "local", lengths=lengths)
         if self.recompute:
             return _RecomputedCrossAttention.apply(
                 text, visual, self, ENGINES[self.impl], layout_args, *self.parameters())

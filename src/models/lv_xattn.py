@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from src.models.xattn_comm import ByteCounter, ShardLayout, XAttnEngine, attend, resized, ring_pass
+from src.models.xattn_comm import ByteCounter, ShardLayout, ShardLengths, XAttnEngine, attend, resized, ring_pass
 from src.models.xattn_core import (
     NEG_INF,
     acc_dtype,
@@ -154,6 +154,7 @@ def lv_xattn(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *, q_sharded: bool = True,
     key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
     kv_segment_ids: Tensor | None = None, scale: float | None = None, schedule: str = "ring",
+    lengths: ShardLengths | None = None,
 ) -> Tensor:
     """Exact softmax(q·K_globalᵀ·scale + mask)·V_global for this rank's queries.
 
@@ -165,8 +166,10 @@ def lv_xattn(
     schedule (q_sharded=True): "ring" overlaps the transfers with P kernel calls on S_Q/P queries each;
     "gather" runs one kernel call on all queries between collectives, with nothing overlapped
     (docs/lv_xattn.md, "Two schedules"). With q_sharded=False both are the all-reduce merge.
+    lengths: every rank's shard lengths from `shard_lengths`, to skip the per-call shape exchange and its host
+    synchronisation when several calls share them.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
     return attend(SCHEDULES[schedule], q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask,
-                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, lengths=lengths)

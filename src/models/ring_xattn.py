@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from src.models.xattn_comm import ByteCounter, ShardLayout, XAttnEngine, attend, resized, ring_pass
+from src.models.xattn_comm import ByteCounter, ShardLayout, ShardLengths, XAttnEngine, attend, resized, ring_pass
 from src.models.xattn_core import acc_dtype, block_backward, block_forward, empty_partial, merge_partials, visible_keys
 
 BYTES_SENT = ByteCounter()
@@ -84,8 +84,8 @@ RING_XATTN = XAttnEngine("ring", _forward, _backward, BYTES_SENT)
 def ring_xattn(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None, *, q_sharded: bool = True,
     key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
-    kv_segment_ids: Tensor | None = None, scale: float | None = None,
+    kv_segment_ids: Tensor | None = None, scale: float | None = None, lengths: ShardLengths | None = None,
 ) -> Tensor:
     """Same contract as `src.models.lv_xattn.lv_xattn`, computed by rotating K/V instead of Q."""
     return attend(RING_XATTN, q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask,
-                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, lengths=lengths)

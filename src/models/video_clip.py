@@ -39,6 +39,7 @@ from src.config import ModelConfig, VideoConfig
 from src.models.clip import CLIP, build_model
 from src.models.cross_attention import CrossAttentionBlock
 from src.models.transformer import LayerScale
+from src.models.xattn_comm import shard_lengths
 
 HEADS = ("xattn", "mean")
 FRAME_TOKENS = ("patches", "cls", "mean")
@@ -133,9 +134,11 @@ class VideoTextHead(nn.Module):
         captions, length, width = queries.shape
         start = queries.reshape(1, captions * length, width).expand(visual.shape[0], -1, -1)
         x = start
+        # Every layer has the same shard lengths: exchange them once, not once per layer.
+        lengths = shard_lengths(start.shape[1], visual.shape[1], visual.device, group)
         for xattn, mlp in zip(self.xattn, self.mlp):
             # Each rank holds different captions, so the query sequence is sharded (LV-XAttn's ring).
-            x = mlp(xattn(x, visual, group, q_sharded=True))
+            x = mlp(xattn(x, visual, group, q_sharded=True, lengths=lengths))
         update = (x - start).view(-1, captions, length, width)
         return torch.einsum("bclw,cl->bcw", update, weights) @ self.proj
 

@@ -26,7 +26,7 @@ class ByteCounter:
     """Payload bytes this process sent, by pass. Point-to-point sends count their tensor bytes; collectives
     count what their ring algorithm sends per rank: 2·(P-1)·n/P for an all-reduce of n bytes, (P-1)·c for an
     all-gather of c bytes per rank and for a reduce-scatter that leaves c bytes on each rank (an all-reduce
-    is the two in turn, at c = n/P). The per-call shape exchange (P·9 int64) is not counted."""
+    is the two in turn, at c = n/P). Shape and length exchanges (a few int64 per rank) are not counted."""
 
     forward: int = 0
     backward: int = 0
@@ -120,13 +120,40 @@ class ShardLayout:
         return torch.cat([torch.arange(j * longest, j * longest + n, device=device) for j, n in enumerate(self.q_lens)])
 
 
+@dataclass(frozen=True)
+class ShardLengths:
+    """Every rank's local query and key lengths, in group rank order."""
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+
+
+def shard_lengths(sq_local: int, skv_local: int, device: torch.device,
+                  group: dist.ProcessGroup | None = None) -> ShardLengths:
+    """Exchange this rank's query and key lengths with the group (on `device`, which the group's backend must
+    reach): one small all-gather and one host synchronisation. Compute them once and pass them as `lengths=`
+    to every cross-attention call that shares them (the layers of a head), so those calls neither exchange
+    shapes nor wait for the GPU."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return ShardLengths((sq_local,), (skv_local,))
+    mine = torch.tensor([sq_local, skv_local], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = torch.stack(gathered).tolist()
+    return ShardLengths(tuple(r[0] for r in rows), tuple(r[1] for r in rows))
+
+
 def make_layout(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, *, q_sharded: bool,
     key_padding_mask: Tensor | None, q_segment_ids: Tensor | None, kv_segment_ids: Tensor | None,
-    scale: float | None, counter: ByteCounter, single_process: bool = False,
+    scale: float | None, counter: ByteCounter, single_process: bool = False, lengths: ShardLengths | None = None,
 ) -> ShardLayout:
-    """Validate the local inputs and exchange every rank's shapes once (one small all-gather), so that
-    receive buffers can be sized for uneven and empty shards and a mismatch fails loudly instead of hanging."""
+    """Validate the local inputs and learn every rank's shard lengths, so that receive buffers can be sized for
+    uneven and empty shards. Without `lengths`, every rank's full shape is exchanged (one small all-gather and
+    a host synchronisation), and a mismatch in any other field fails loudly instead of hanging. With
+    `lengths` (from `shard_lengths`) nothing is exchanged: the lengths are checked against this rank's
+    tensors, and the caller vouches that the ranks agree on batch, heads, head dim, dtype and masks."""
     check_inputs(q, k, v, key_padding_mask, q_segment_ids, kv_segment_ids)
     if q.dtype not in DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not one of {DTYPES}")
@@ -136,6 +163,15 @@ def make_layout(
             q_segment_ids is not None]
     if single_process or not dist.is_initialized():
         rank, world, rows = 0, 1, [mine]
+    elif lengths is not None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if len(lengths.q) != world or len(lengths.kv) != world:
+            raise ValueError(f"lengths {lengths} name {len(lengths.q)} ranks but the group has {world}: "
+                             "compute them with shard_lengths() on the same group")
+        if (lengths.q[rank], lengths.kv[rank]) != (sq, skv):
+            raise ValueError(f"lengths say rank {rank} holds {lengths.q[rank]} queries and {lengths.kv[rank]} "
+                             f"keys, but it holds {sq} and {skv}: recompute them with shard_lengths()")
+        rows = [[a, b, *mine[2:]] for a, b in zip(lengths.q, lengths.kv)]
     else:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         gathered = [q.new_empty(len(mine), dtype=torch.int64) for _ in range(world)]
@@ -261,9 +297,9 @@ class XAttnFunction(torch.autograd.Function):
 def attend(
     engine: XAttnEngine, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, *, q_sharded: bool,
     key_padding_mask: Tensor | None, q_segment_ids: Tensor | None, kv_segment_ids: Tensor | None,
-    scale: float | None,
+    scale: float | None, lengths: ShardLengths | None,
 ) -> Tensor:
     layout = make_layout(
         q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, scale=scale, counter=engine.counter)
+        kv_segment_ids=kv_segment_ids, scale=scale, counter=engine.counter, lengths=lengths)
     return XAttnFunction.apply(q, k, v, engine, layout)

@@ -13,34 +13,17 @@ Local kernel:
   K/V repeated to H heads. Both return the LSE in fp32.
 - Everything else (CPU, fp32/fp64, odd head dims): a math path in max(input, fp32) precision.
 
-Split-KV forward: a fused kernel runs one thread block per (batch, head, tile of query rows), so a call with
-few queries leaves SMs idle however long the key shard is (the flash op's own split-KV misses some of these
-cases: docs/lv_xattn.md). `block_forward` then cuts the keys into c contiguous chunks, stacks them on the batch
-dimension so that one kernel call covers them all, and merges the c partials exactly (`merge_chunks`).
-`auto_kv_chunks` picks c; `kv_chunks=` or the module's `KV_CHUNKS` force it (1 = off). The backward needs no
-split: it parallelizes over key blocks, which a long shard has plenty of.
-
 Masks depend only on per-token ids and padding flags, never on local indices, so a block gets the same
 mask whichever rank computes it.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 NEG_INF = float("-inf")
-# None: `auto_kv_chunks` decides; an int forces that many key chunks (1 = no split). Module-level so that a
-# benchmark can switch the split for a whole layer, whose calls to `block_forward` it does not see.
-KV_CHUNKS: int | None = None
-# Thread blocks resident per SM: FlashAttention-2's own split-KV heuristic assumes 2 for its 128-thread blocks.
-_BLOCKS_PER_SM = 2
-# Shorter chunks would make the partials' extra output traffic and the merge a visible share of the work.
-_MIN_CHUNK_KEYS = 4096
-_MAX_CHUNKS = 16
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -117,18 +100,6 @@ def merge_partials(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tu
     return weight_a * o_a.to(acc) + weight_b * o_b.to(acc), lse
 
 
-def merge_chunks(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact merge of c partials stacked on dim 1 (o [B, c, H, Sq, D], lse [B, c, H, Sq]), in the accumulator
-    dtype: L = logsumexp over the chunks, O = sum of exp(lse - L)·o. Rows with no visible key in any chunk
-    give (0, -inf); the weights are never above 1, so nothing overflows."""
-    acc = acc_dtype(o.dtype)
-    lse = lse.to(acc)
-    total = torch.logsumexp(lse, dim=1)
-    weight = torch.exp(lse - _blocked_rows_to_inf(total)[:, None])
-    # The product promotes o to the accumulator dtype in the same kernel, with no separate cast of o.
-    return (weight[..., None] * o).sum(1), total
-
-
 def _fused_kernel(q: Tensor) -> bool:
     dim = q.shape[-1]
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256
@@ -164,83 +135,11 @@ def _math_scores(q: Tensor, k: Tensor, visible: Tensor | None, scale: float) -> 
     return scores, qg
 
 
-def chunks_to_fill(blocks: int, slots: int, keys: int) -> int:
-    """How many key chunks c a kernel grid of `blocks` thread blocks needs to fill `slots` resident blocks.
-
-    FlashAttention-2's own split-KV rule: 1 once the grid fills 80% of the slots; otherwise the smallest c
-    whose wave efficiency (waves / ceil(waves), waves = c·blocks / slots) is within 85% of the best, so
-    that the last wave is not mostly idle. Chunks keep at least `_MIN_CHUNK_KEYS` keys; c <= `_MAX_CHUNKS`."""
-    limit = min(_MAX_CHUNKS, keys // _MIN_CHUNK_KEYS)
-    if blocks >= 0.8 * slots or limit < 2:
-        return 1
-    efficiency = [w / math.ceil(w) for w in (c * blocks / slots for c in range(1, limit + 1))]
-    return next(c for c, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
-
-
-def auto_kv_chunks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) -> int:
-    """The key chunk count `block_forward` uses by default: 1 on the math path; on a fused kernel, enough
-    chunks to fill two thread blocks per SM (`chunks_to_fill`), unless stacking them would copy K and V."""
-    if not _fused_kernel(q):
-        return 1
-    batch, heads, sq, _ = q.shape
-    # Query rows per thread block: FlashAttention-2 uses 128; the memory-efficient kernel (masks) 64 up to
-    # head dim 128 (32 above, where this splits less than it could).
-    rows = 128 if visible is None else 64
-    slots = _BLOCKS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
-    chunks = chunks_to_fill(batch * heads * -(-sq // rows), slots, k.shape[2])
-    split = chunks * (k.shape[2] // chunks)
-    if batch > 1 and any(x.stride(0) != split * x.stride(2) for x in (k, v)):
-        return 1
-    return chunks
-
-
-def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, scale: float, kv_chunks: int | None = None,
-) -> tuple[Tensor, Tensor]:
+def block_forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     """(o [B, H, Sq, D], lse [B, H, Sq]) of q against one K/V shard; rows with no visible key give (0, -inf).
-
-    o is in the kernel's dtype (the input dtype on the fused kernels), lse in fp32 or wider. kv_chunks splits
-    the keys into that many contiguous chunks (1 = no split); None takes `KV_CHUNKS`, whose default None
-    lets `auto_kv_chunks` choose."""
+    o is in the kernel's dtype (the input dtype on the fused kernels), lse in fp32 or wider."""
     if q.shape[2] == 0 or k.shape[2] == 0:
         return empty_partial(q)
-    if kv_chunks is None:
-        kv_chunks = auto_kv_chunks(q, k, v, visible) if KV_CHUNKS is None else KV_CHUNKS
-    if kv_chunks < 1:
-        raise ValueError(f"kv_chunks={kv_chunks}: pass the number of key chunks (1 = no split) or None (automatic)")
-    chunks = min(kv_chunks, k.shape[2])
-    if chunks == 1:
-        return _kernel_forward(q, k, v, visible, scale)
-    return _split_kv_forward(q, k, v, visible, scale, chunks)
-
-
-def _split_kv_forward(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, scale: float, chunks: int,
-) -> tuple[Tensor, Tensor]:
-    """`chunks` chunks of skv // chunks keys in one kernel call, stacked on the batch dim against copies of q;
-    the skv % chunks keys left over (fewer than `chunks`) in a second call; then one exact merge."""
-    batch, skv = q.shape[0], k.shape[2]
-    length = skv // chunks
-    split = chunks * length
-
-    def stacked(x: Tensor, dim: int) -> Tensor:
-        # [B, ..., c·n (at dim), ...] -> [B·c, ..., n, ...], chunk j of batch b at b·c + j. A view, with no
-        # copy of the shard, for B = 1 or when the batch stride spans exactly the split keys (packed heads).
-        return x.narrow(dim, 0, split).unflatten(dim, (chunks, length)).movedim(dim, 1).flatten(0, 1)
-
-    out, lse = _kernel_forward(q.repeat_interleave(chunks, dim=0), stacked(k, 2), stacked(v, 2),
-                               None if visible is None else stacked(visible, 3), scale)
-    out, lse = out.unflatten(0, (batch, chunks)), lse.unflatten(0, (batch, chunks))
-    if split < skv:
-        rest = _kernel_forward(q, k[:, :, split:], v[:, :, split:],
-                               None if visible is None else visible[..., split:], scale)
-        out, lse = torch.cat([out, rest[0][:, None]], dim=1), torch.cat([lse, rest[1][:, None]], dim=1)
-    merged, lse = merge_chunks(out, lse)
-    return merged.to(out.dtype), lse
-
-
-def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """One local kernel call on non-empty q and keys: fused on CUDA (see the module docstring), else math."""
     batch, heads, sq, dim = q.shape
     if _fused_kernel(q) and visible is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]

@@ -1,8 +1,7 @@
 """The CUDA path of LV-XAttn and the Ring baseline: the fused local kernels (FlashAttention without a mask,
-the memory-efficient kernel with one; whole and split into key chunks) against the fp32 math path, the
-automatic split-KV forward against the unsplit kernel, and the ops (every entry of `OPS`: LV-XAttn's ring and
-gather schedules, Ring) in bf16 on one GPU and over NCCL on two against the float64 reference of the same bf16
-inputs.
+the memory-efficient kernel with one) against the fp32 math path, and the ops (every entry of `OPS`: LV-XAttn's
+ring and gather schedules, Ring) in bf16 on one GPU and over NCCL on two against the float64 reference of the
+same bf16 inputs.
 
 Run on a GPU machine: python -m pytest tests/gpu/test_lv_xattn_cuda.py
 """
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.models.xattn_core import auto_kv_chunks, block_backward, block_forward, visible_keys
+from src.models.xattn_core import block_backward, block_forward, visible_keys
 from tests.test_lv_xattn import Case, assert_exact, check_ranks, local_part, op_cases, reference_op, run_op, tensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -27,10 +26,9 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert_exact(actual, expected, what, tol=2e-2)  # bf16 outputs and gradients
 
 
-@pytest.mark.parametrize("kv_chunks", [1, 3], ids=["whole", "split3"])
 @pytest.mark.parametrize("masked", [False, True], ids=["flash", "efficient+mask"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_fused_kernels_match_the_math_path(masked, dim, kv_chunks):
+def test_fused_kernels_match_the_math_path(masked, dim):
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, heads, kv_heads, sq, skv = 2, 8, 2, 77, 300
     q = torch.randn(batch, heads, sq, dim, device="cuda", generator=gen).to(BF16)
@@ -42,7 +40,7 @@ def test_fused_kernels_match_the_math_path(masked, dim, kv_chunks):
         kv_ids = torch.randint(0, 3, (batch, skv), device="cuda", generator=gen)  # id 3: rows with no key
         visible = visible_keys(q_ids, kv_ids, torch.rand(batch, skv, device="cuda", generator=gen) < 0.3)
     scale = dim ** -0.5
-    out, lse = block_forward(q, k, v, visible, scale, kv_chunks=kv_chunks)
+    out, lse = block_forward(q, k, v, visible, scale)
     ref_out, ref_lse = block_forward(q.float(), k.float(), v.float(), visible, scale)  # math path
     close(out, ref_out, "out")
     assert torch.equal(lse.isinf(), ref_lse.isinf())
@@ -51,20 +49,6 @@ def test_fused_kernels_match_the_math_path(masked, dim, kv_chunks):
     ref_grads = block_backward(q.float(), k.float(), v.float(), visible, scale, dout.float(), ref_out, ref_lse)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         close(got, want, name)
-
-
-def test_split_kv_forward_matches_the_unsplit_kernel():
-    """One LV-XAttn block of S_Q/P = 512 queries, 16 heads, against a 128K-key shard: few thread blocks, so the
-    automatic heuristic splits the keys."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, 16, 512, 128, device="cuda", generator=gen).to(BF16)
-    k, v = (torch.randn(1, 16, 131072, 128, device="cuda", generator=gen).to(BF16) for _ in range(2))
-    assert auto_kv_chunks(q, k, v, None) > 1
-    out, lse = block_forward(q, k, v, None, 128**-0.5)
-    ref_out, ref_lse = block_forward(q, k, v, None, 128**-0.5, kv_chunks=1)
-    assert out.dtype == BF16 and lse.dtype == torch.float32
-    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
 
 
 def bf16_inputs(case: Case) -> dict[str, torch.Tensor]:
