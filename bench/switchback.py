@@ -1,10 +1,12 @@
 """One SwitchBack linear layer, forward + backward, against bf16 F.linear at ViT-H/14 shapes, all in one run.
 
-    python bench/switchback.py [--tokens 65792] [--iters 20] [--json out.json]
+    python bench/switchback.py [--tokens 65792] [--iters 20] [--rounds 3] [--json out.json]
 
-Times (CUDA events, median) for bf16 `F.linear` and each SwitchBack variant on the cuda backend, the share
-of the SwitchBack layer's time spent quantizing, and peak memory of a layer's saved activations
-(switchback_int8_memeff keeps only int8 inputs).
+Times are CUDA-event medians: the median of per-round medians, the variants taking turns in each round. For
+bf16 `F.linear` and each SwitchBack variant on the cuda backend: the layer's forward + backward, the share of
+the SwitchBack layer's time spent quantizing, and the memory a layer saves for backward
+(switchback_int8_memeff keeps only int8 inputs). Then the forward matmul of each layer alone: bf16 cuBLAS,
+cuBLAS int8 (`torch._int_mm`), and our int8 kernel with plain and with TMA loads (`kernels.int8_matmul`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from src.models.switchback import VARIANTS, switchback_linear
+from src.models.switchback import VARIANTS, kernels, switchback_linear
 from src.models.switchback.functions import quantize_rows, quantize_tensor
 
 SHAPES = {"qkv 1280->3840": (1280, 3840), "fc1 1280->5120": (1280, 5120), "fc2 5120->1280": (5120, 1280)}
@@ -35,6 +37,16 @@ def time_ms(fn, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def interleaved_ms(fns: dict, iters: int, rounds: int) -> dict:
+    """Each function's median over `rounds` rounds of `time_ms`, the functions taking turns within a round,
+    so that a drift of the GPU's clocks or a neighbour's load falls on all of them alike."""
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(time_ms(fn, iters))
+    return {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
 
 
 def layer_step(x, w, b, g, variant):
@@ -72,10 +84,25 @@ def saved_bytes(x, w, b, variant) -> int:
     return held
 
 
+def matmuls(tokens: int, k: int, n: int, iters: int, rounds: int) -> dict:
+    """Milliseconds of the layer's forward matmul [tokens, k] x [k, n] alone, by kernel."""
+    a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    qa = torch.randint(-127, 128, (tokens, k), device="cuda", dtype=torch.int8)
+    qw = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    sa, sw = torch.rand(tokens, 1, device="cuda"), torch.rand(1, n, device="cuda")
+    fns = {"bf16": lambda: a @ w.t(), "cublas_int8": lambda: torch._int_mm(qa, qw.t())}
+    for kernel in ("pointer", "tma"):
+        fns[f"ours_int8_{kernel}"] = (
+            lambda kernel=kernel: kernels.int8_matmul(qa, sa, qw.t(), sw, None, torch.bfloat16, kernel=kernel))
+    return interleaved_ms(fns, iters, rounds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256 * 257)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the variants take turns")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -89,21 +116,28 @@ def main() -> int:
         w = torch.randn(n, k, device="cuda", requires_grad=True)
         b = torch.zeros(n, device="cuda", requires_grad=True)
         g = torch.randn(args.tokens, n, device="cuda", dtype=torch.bfloat16)
-        base = None
+        times = interleaved_ms({v: layer_step(x, w, b, g, v) for v in variants}, args.iters, args.rounds)
         for variant in variants:
-            ms = time_ms(layer_step(x, w, b, g, variant), args.iters)
-            base = base or ms
-            row = {"layer": name, "variant": variant, "ms": ms, "speedup_vs_bf16": base / ms,
+            ms = times[variant]
+            row = {"layer": name, "variant": variant, "ms": ms, "speedup_vs_bf16": times["bf16"] / ms,
                    "saved_activation_mib": saved_bytes(x, w, b, variant) / 2**20}
             if variant != "bf16":
-                parts = {name: time_ms(fn, args.iters) for name, fn in quantizers(VARIANTS[variant], x, w, g).items()}
+                parts = interleaved_ms(quantizers(VARIANTS[variant], x, w, g), args.iters, args.rounds)
                 quant_ms = sum(parts.values())
                 row["quantize_ms"], row["quantize_share"] = quant_ms, quant_ms / ms
                 row.update({f"quantize_{name}_ms": t for name, t in parts.items()})
             rows.append(row)
             print(json.dumps(row), flush=True)
+    matmul_rows = []
+    for name, (k, n) in SHAPES.items():
+        times = matmuls(args.tokens, k, n, args.iters, args.rounds)
+        row = {"layer": name, **{f"{kernel}_ms": ms for kernel, ms in times.items()},
+               **{f"{kernel}_speedup_vs_bf16": times["bf16"] / ms for kernel, ms in times.items() if kernel != "bf16"}}
+        matmul_rows.append(row)
+        print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows}
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows,
+              "matmuls": matmul_rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -70,19 +70,28 @@ def test_quantize_tensor_writes_w_and_its_transpose(fp8, shape):
 @pytest.mark.parametrize("per_column", [True, False])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("b_layout", ["k_contiguous", "n_contiguous"])
-def test_int8_matmul_with_dequantize_and_bias_epilogue(per_column, with_bias, b_layout):
-    qa, sa = ref.quantize_int8(operand(70, 200, torch.float32), 1)
-    qw, sw = ref.quantize_int8(operand(90, 200, torch.float32), 1 if per_column else None)
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_int8_matmul_with_dequantize_and_bias_epilogue(per_column, with_bias, b_layout, kernel):
+    inner = 208 if kernel == "tma" else 200  # TMA rows must be 16-byte aligned; the pointer kernel takes any K
+    qa, sa = ref.quantize_int8(operand(70, inner, torch.float32), 1)
+    qw, sw = ref.quantize_int8(operand(90, inner, torch.float32), 1 if per_column else None)
     qb = qw.t() if b_layout == "k_contiguous" else qw.t().contiguous()
     sb = sw.reshape(1, -1)
     bias = torch.randn(90) if with_bias else None
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = kernels.int8_matmul(qa, sa, qb, sb, bias, out_dtype)
+        got = kernels.int8_matmul(qa, sa, qb, sb, bias, out_dtype, kernel=kernel)
         want = ref.int8_matmul_dequant(qa, sa, qb, sb, bias, out_dtype)
         if out_dtype == torch.float32:
             assert torch.equal(got, want)
         else:  # the interpreter's float32 -> bf16 cast truncates where the GPU's rounds to nearest even
             torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+
+
+@interpreted
+def test_int8_matmul_rejects_an_unknown_kernel():
+    qa, sa = ref.quantize_int8(operand(4, 16, torch.float32), 1)
+    with pytest.raises(ValueError, match="kernel='cublas'"):
+        kernels.int8_matmul(qa, sa, qa.t(), sa.reshape(1, -1), None, torch.float32, kernel="cublas")
 
 
 @interpreted

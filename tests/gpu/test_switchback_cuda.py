@@ -57,6 +57,8 @@ def test_kernels_are_bitwise_the_reference_at_vit_h_shapes():
             want_q, want_scale = quantizer(x, 1)
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
             torch.testing.assert_close(sums, x.float().sum(0), rtol=1e-4, atol=1e-2)
+            q, scale, _ = kernels.quantize_rows(x, fp8)  # one tile of rows per program, no column sums
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
             q, qt, scale = kernels.quantize_tensor(w, fp8, transpose=True)
             want_q, want_scale = quantizer(w, None)
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -64,6 +66,7 @@ def test_kernels_are_bitwise_the_reference_at_vit_h_shapes():
             assert torch.equal(scale.reshape(()), want_scale.reshape(()))
         qx, sx = ref.quantize_int8(x, 1)
         qw, sw = ref.quantize_int8(w, None)
-        got = kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32)
         want = ref.int8_matmul_dequant(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32)
-        assert torch.isfinite(got).all() and torch.equal(got, want), f"{k}->{n}"
+        for kernel in ("pointer", "tma"):
+            got = kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32, kernel=kernel)
+            assert torch.isfinite(got).all() and torch.equal(got, want), f"{k}->{n} {kernel}"

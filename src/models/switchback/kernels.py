@@ -26,11 +26,15 @@ try:
     from triton.language.extra import libdevice
 except ImportError:
     triton = None
+try:  # host-side TMA descriptors: Triton 3.4 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 from src.models.switchback.reference import FP8_DTYPE
 from src.triton_interpreter import interpreting
 
-_ROWS_PER_PROGRAM = 32  # rows one program quantizes; also the rows behind each partial column sum
+_ROWS_PER_PROGRAM = 32  # rows one program quantizes when it also sums columns: the rows behind each partial sum
 _TILE = 64  # square tiles of the tensor-wise quantizer
 
 
@@ -99,6 +103,9 @@ if triton is not None:
 
     @triton.autotune(configs=_rows_configs(), key=["C", "FP8", "COLSUM"],
                      prune_configs_by={"early_config_prune": _tiles_that_fit})
+    # Without column sums a program takes one tile of rows, so that many programs keep many loads in flight;
+    # with them it walks _ROWS_PER_PROGRAM rows, which bounds the partial sums written per column.
+    @triton.heuristics({"ROWS": lambda args: _ROWS_PER_PROGRAM if args["COLSUM"] else args["BLOCK_R"]})
     @triton.jit
     def _quantize_rows_kernel(
         x_ptr, q_ptr, scale_ptr, colsum_ptr, R, C, stride_r, stride_c,
@@ -201,6 +208,56 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+    def _set_block_shapes(nargs: dict) -> None:
+        """The TMA descriptors' box shapes follow the config being tried."""
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+    def _tma_configs():
+        if interpreting():
+            return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
+                                  pre_hook=_set_block_shapes)]
+        shapes = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 64, 8, 4),
+                  (256, 128, 64, 8, 4), (128, 128, 256, 8, 3), (128, 256, 128, 8, 4), (256, 256, 64, 8, 3)]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=st,
+                              pre_hook=_set_block_shapes) for m, n, k, w, st in shapes]
+
+    @triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "HAS_BIAS"])
+    @triton.jit
+    def _int8_matmul_tma_kernel(
+        a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_om, stride_on,
+        SB_PER_COLUMN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """`_int8_matmul_kernel` with the operands loaded by Hopper's tensor memory accelerator (TMA): the
+        copy engine fetches whole tiles into shared memory, zero-filled past the edges, while the warps
+        multiply. B is read as [N, K], contiguous along K."""
+        pid = tl.program_id(0)
+        grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * grid_n)
+        first_m = group * GROUP_M
+        group_size = min(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
+        pid_n = (pid % (GROUP_M * grid_n)) // group_size
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([off_m, k * BLOCK_K])
+            b = b_desc.load([off_n, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+        rn = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
+        sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
+        sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0) if SB_PER_COLUMN else tl.load(sb_ptr)
+        out = acc.to(tl.float32) * (sa[:, None] * sb * (1.0 / 16129.0))
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _quantized_dtype(fp8: bool) -> torch.dtype:
     return FP8_DTYPE if fp8 else torch.int8
 
@@ -214,10 +271,10 @@ def quantize_rows(
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=_quantized_dtype(fp8), device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    programs = triton.cdiv(rows, _ROWS_PER_PROGRAM)
-    partial = torch.empty((programs, cols) if column_sums else (1,), dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(programs,)](
-        x, q, scale, partial, rows, cols, x.stride(0), x.stride(1), ROWS=_ROWS_PER_PROGRAM,
+    partial = torch.empty((triton.cdiv(rows, _ROWS_PER_PROGRAM), cols) if column_sums else (1,),
+                          dtype=torch.float32, device=x.device)
+    _quantize_rows_kernel[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+        x, q, scale, partial, rows, cols, x.stride(0), x.stride(1),
         BLOCK_C=triton.next_power_of_2(cols), FP8=fp8, COLSUM=column_sums,
     )
     # Partial sums of a fixed number of rows, added in a fixed order: deterministic, unlike atomics.
@@ -245,11 +302,12 @@ def quantize_tensor(
 
 def int8_matmul(
     qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor, scale_b: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, kernel: str = "auto",
 ) -> torch.Tensor:
     """(qa @ qb) · scale_a · scale_b / 127² + bias, as `reference.int8_matmul_dequant`. qa [M, K] and qb
     [K, N] int8, both best contiguous along K (else copied so); scale_a [M, 1]; scale_b [1, N] or [1, 1];
-    float32 scales."""
+    float32 scales. kernel: "tma" (Hopper's tensor memory accelerator loads), "pointer" (plain loads, any
+    GPU), or "auto": TMA where it can run."""
     require_triton()
     (m, k), (k2, n) = qa.shape, qb.shape
     if k != k2:
@@ -260,10 +318,26 @@ def int8_matmul(
     out = torch.empty((m, n), dtype=out_dtype, device=qa.device)
     per_column = scale_b.numel() != 1
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _int8_matmul_kernel[grid](
-        qa, qb, out, scale_a.contiguous(), scale_b.contiguous(), out if bias is None else bias, m, n, k,
-        qa.stride(0), qb.stride(1), out.stride(0), out.stride(1),
-        SB_PER_COLUMN=per_column, HAS_BIAS=bias is not None,
-    )
+    common = (scale_a.contiguous(), scale_b.contiguous(), out if bias is None else bias, m, n, k)
+    if kernel == "auto":
+        kernel = "tma" if _tma_fits(qa, qb) else "pointer"
+    if kernel == "tma":
+        # Box shapes are placeholders until the autotuner's pre-hook sets each config's.
+        a_desc = TensorDescriptor.from_tensor(qa, [32, 32])
+        b_desc = TensorDescriptor.from_tensor(qb.t(), [32, 32])
+        _int8_matmul_tma_kernel[grid](a_desc, b_desc, out, *common, out.stride(0), out.stride(1),
+                                      SB_PER_COLUMN=per_column, HAS_BIAS=bias is not None)
+    elif kernel == "pointer":
+        _int8_matmul_kernel[grid](qa, qb, out, *common, qa.stride(0), qb.stride(1), out.stride(0), out.stride(1),
+                                  SB_PER_COLUMN=per_column, HAS_BIAS=bias is not None)
+    else:
+        raise ValueError(f"int8_matmul kernel={kernel!r} is not one of 'auto', 'tma', 'pointer'")
     return out
+
+
+def _tma_fits(qa: torch.Tensor, qb: torch.Tensor) -> bool:
+    """TMA needs a Hopper-class GPU (or the interpreter) and 16-byte aligned rows: K a multiple of 16 int8s."""
+    if TensorDescriptor is None or qa.shape[1] % 16:
+        return False
+    return interpreting() or (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= (9, 0))
 
