@@ -214,7 +214,9 @@ def switchback_linear(
     if variant not in VARIANTS:
         raise ValueError(f"model.linear={variant!r} is not one of {', '.join(VARIANTS)}")
     device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    # Not torch.amp.is_autocast_available: the TorchDynamo of torch 2.11 (our GPU image) cannot trace it, and
+    # the compiled graph broke at every SwitchBack layer. Autocast exists for these device types, not `meta`.
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False):
         out = torch.ops.stableclip.switchback_forward(x.reshape(-1, x.shape[-1]), weight, bias, variant, backend)[0]
