@@ -88,10 +88,15 @@ def test_int8_matmul_with_dequantize_and_bias_epilogue(per_column, with_bias, b_
 
 
 @interpreted
-def test_int8_matmul_rejects_an_unknown_kernel():
+def test_int8_matmul_rejects_an_unknown_kernel_and_tma_where_it_cannot_run():
     qa, sa = ref.quantize_int8(operand(4, 16, torch.float32), 1)
     with pytest.raises(ValueError, match="kernel='cublas'"):
         kernels.int8_matmul(qa, sa, qa.t(), sa.reshape(1, -1), None, torch.float32, kernel="cublas")
+    qa, sa = ref.quantize_int8(operand(4, 24, torch.float32), 1)
+    with pytest.raises(ValueError, match=r"K a multiple of 16 \(K=24\)"):
+        kernels.int8_matmul(qa, sa, qa.t(), sa.reshape(1, -1), None, torch.float32, kernel="tma")
+    got = kernels.int8_matmul(qa, sa, qa.t(), sa.reshape(1, -1), None, torch.float32)  # auto: plain loads
+    assert torch.equal(got, ref.int8_matmul_dequant(qa, sa, qa.t(), sa.reshape(1, -1), None, torch.float32))
 
 
 @interpreted

@@ -321,6 +321,9 @@ def int8_matmul(
     common = (scale_a.contiguous(), scale_b.contiguous(), out if bias is None else bias, m, n, k)
     if kernel == "auto":
         kernel = "tma" if _tma_fits(qa, qb) else "pointer"
+    if kernel == "tma" and not _tma_fits(qa, qb):
+        raise ValueError(f"int8_matmul kernel='tma' needs a GPU of compute capability >= 9.0, K a multiple of 16 "
+                         f"(K={k}) and 16-byte aligned operands: use kernel='auto' or 'pointer'")
     if kernel == "tma":
         # Box shapes are placeholders until the autotuner's pre-hook sets each config's.
         a_desc = TensorDescriptor.from_tensor(qa, [32, 32])
@@ -336,8 +339,9 @@ def int8_matmul(
 
 
 def _tma_fits(qa: torch.Tensor, qb: torch.Tensor) -> bool:
-    """TMA needs a Hopper-class GPU (or the interpreter) and 16-byte aligned rows: K a multiple of 16 int8s."""
-    if TensorDescriptor is None or qa.shape[1] % 16:
+    """TMA needs a Hopper-class GPU (or the interpreter), 16-byte aligned rows (K a multiple of 16 int8s) and
+    16-byte aligned base addresses."""
+    if TensorDescriptor is None or qa.shape[1] % 16 or qa.data_ptr() % 16 or qb.data_ptr() % 16:
         return False
     return interpreting() or (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= (9, 0))
 
