@@ -15,7 +15,9 @@ layer is `CrossAttentionBlock` with recomputation on:
 - ring:      Ring-Attention, queries sharded, K/V rotating.
 The link mode is read from the NCCL variables the caller sets. The same run measures the link's bandwidth (a
 bidirectional send/recv), times the local attention kernels, and prints next to each measurement the time the
-communication formula predicts (docs/lv_xattn.md). The distributed layers get every rank's shard lengths
+communication formula predicts (docs/lv_xattn.md), and where the formula says LV-XAttn's transfers hide
+(steady state) and where it puts the ring within 10% of local (the exposed last hop included; per S_Q;
+`--sq`/`--skv` pick other sizes). The distributed layers get every rank's shard lengths
 once per config (`shard_lengths`), as a model passes them to all its layers; `--lengths exchanged given` also
 measures them exchanging shapes in every call (a host synchronisation per call), each row's `lengths` says
 which. Times are CUDA-event medians, the slowest rank's; a config whose estimated memory does not fit is
