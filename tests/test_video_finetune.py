@@ -108,6 +108,13 @@ def test_mesh_layout_and_errors():
         Mesh.build(3, 2)
 
 
+def test_a_clip_with_missing_frames_is_an_error():
+    """The head's shard lengths are derived from an even split of the frames, so an uneven one must fail."""
+    frames, _ = clips_and_captions()
+    with pytest.raises(ValueError, match=f"this rank has {FRAMES - 1} frames of a {FRAMES}-frame clip"):
+        tiny_video_model().encode_video(frames[:, 1:].float())
+
+
 # ----------------------------------------------------------------------------------- distributed = single process
 
 

@@ -39,7 +39,7 @@ from src.config import ModelConfig, VideoConfig
 from src.models.clip import CLIP, build_model
 from src.models.cross_attention import CrossAttentionBlock
 from src.models.transformer import LayerScale
-from src.models.xattn_comm import shard_lengths
+from src.models.xattn_comm import ShardLengths
 
 HEADS = ("xattn", "mean")
 FRAME_TOKENS = ("patches", "cls", "mean")
@@ -73,15 +73,20 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-def share(count: int, group: dist.ProcessGroup | None) -> slice:
-    """This rank's contiguous share of `count` items split over `group` (earlier ranks get the remainder);
-    everything without a group."""
+def share_sizes(count: int, group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """How many of `count` items each rank of `group` takes, in rank order (earlier ranks get the remainder)."""
     if group is None:
-        return slice(0, count)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    base, extra = divmod(count, size)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (rank < extra))
+        return (count,)
+    base, extra = divmod(count, dist.get_world_size(group))
+    return tuple(base + (rank < extra) for rank in range(dist.get_world_size(group)))
+
+
+def share(count: int, group: dist.ProcessGroup | None) -> slice:
+    """This rank's contiguous share of `count` items split over `group`; everything without a group."""
+    sizes = share_sizes(count, group)
+    rank = 0 if group is None else dist.get_rank(group)
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
 
 
 def temporal_init(frames: int, width: int) -> torch.Tensor:
@@ -127,15 +132,15 @@ class VideoTextHead(nn.Module):
         self.proj = nn.Parameter(torch.randn(text_width, embed_dim) * text_width ** -0.5)
 
     def forward(
-        self, queries: torch.Tensor, weights: torch.Tensor, visual: torch.Tensor, group: dist.ProcessGroup | None
+        self, queries: torch.Tensor, weights: torch.Tensor, visual: torch.Tensor, group: dist.ProcessGroup | None,
+        lengths: ShardLengths | None = None,
     ) -> torch.Tensor:
-        """queries (C, Lq, width) of C captions and their pooling weights (C, Lq); visual (B, S_local, kv width).
+        """queries (C, Lq, width) of C captions and their pooling weights (C, Lq); visual (B, S_local, kv width);
+        `lengths`: every rank's query and visual lengths, as in `lv_xattn` (None: each layer exchanges them).
         Returns (B, C, embed_dim): the update of every (clip, caption) pair."""
         captions, length, width = queries.shape
         start = queries.reshape(1, captions * length, width).expand(visual.shape[0], -1, -1)
         x = start
-        # Every layer has the same shard lengths: exchange them once, not once per layer.
-        lengths = shard_lengths(start.shape[1], visual.shape[1], visual.device, group)
         for xattn, mlp in zip(self.xattn, self.mlp):
             # Each rank holds different captions, so the query sequence is sharded (LV-XAttn's ring).
             x = mlp(xattn(x, visual, group, q_sharded=True, lengths=lengths))
@@ -175,6 +180,11 @@ class VideoCLIP(nn.Module):
         Returns this rank's visual sequence (B, T_local · tokens per frame, width) (None without a head) and the
         clip's normalized frame-averaged embedding (B, D) over the frames of every rank of `group`."""
         batch, local = frames.shape[:2]
+        ranks = 1 if group is None else dist.get_world_size(group)
+        if local * ranks != self.frames:
+            raise ValueError(f"this rank has {local} frames of a {self.frames}-frame clip, but each of the {ranks} "
+                             f"ranks of the group must hold {self.frames}/{ranks}: split the frames evenly "
+                             "(the trainer's Mesh.frames does)")
         tokens = self.clip.visual.tokens(frames.flatten(0, 1))
         per_frame = F.normalize(tokens[:, 0] @ self.clip.visual.proj, dim=-1).view(batch, local, -1)
         frame_sum = per_frame.float().sum(dim=1)
@@ -212,7 +222,12 @@ class VideoCLIP(nn.Module):
         """Cosine scores (B clips, this rank's share of the C captions): every rank of `group` holds the same
         clips (its own frames) and all captions, and scores its contiguous share of the captions."""
         mine = share(len(text), group)
-        update = self.head(queries[mine], weights[mine], visual, group)
+        # Known on every rank without asking the others (no host synchronisation): the captions are shared out
+        # by `share`, and the frames, hence the visual tokens, evenly (encode_video checks it).
+        lengths = None if group is None else ShardLengths(
+            tuple(n * queries.shape[1] for n in share_sizes(len(text), group)),
+            (visual.shape[1],) * dist.get_world_size(group))
+        update = self.head(queries[mine], weights[mine], visual, group, lengths)
         joint = F.normalize(video[:, None] + update.float(), dim=-1)
         return (joint * text[mine].float()).sum(dim=-1)
 

@@ -154,13 +154,39 @@ if triton is not None:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, _dequantize_scale(amax, FP8))
 
-    def _matmul_configs():
+    def _matmul_configs(pre_hook=None):
+        """The int8 matmuls' autotuning space; `pre_hook` adapts per-config state (the TMA boxes)."""
         if interpreting():
-            return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
+            return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, pre_hook=pre_hook)]
         shapes = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 64, 8, 4),
-                  (256, 128, 64, 8, 4), (128, 128, 256, 8, 3), (128, 256, 128, 8, 4)]
+                  (256, 128, 64, 8, 4), (128, 128, 256, 8, 3), (128, 256, 128, 8, 4), (256, 256, 64, 8, 3)]
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w,
-                              num_stages=s) for m, n, k, w, s in shapes]
+                              num_stages=s, pre_hook=pre_hook) for m, n, k, w, s in shapes]
+
+    @triton.jit
+    def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """This program's (row-block, column-block): GROUP_M row-blocks share each column-block while it is in L2."""
+        pid = tl.program_id(0)
+        grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        first_m = pid // (GROUP_M * grid_n) * GROUP_M
+        group_size = min(grid_m - first_m, GROUP_M)
+        return first_m + (pid % (GROUP_M * grid_n)) % group_size, (pid % (GROUP_M * grid_n)) // group_size
+
+    @triton.jit
+    def _dequantize_store(
+        acc, rm, rn, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+        SB_PER_COLUMN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):
+        """Dequantize as reference.int8_matmul_dequant does, acc · (scale_a · scale_b · (1/127²)) + bias, and
+        store the rows `rm` and columns `rn` that lie inside [M, N]."""
+        sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
+        sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0) if SB_PER_COLUMN else tl.load(sb_ptr)
+        out = acc.to(tl.float32) * (sa[:, None] * sb * (1.0 / 16129.0))
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.autotune(configs=_matmul_configs(), key=["M", "N", "K", "HAS_BIAS"])
     @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -171,14 +197,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     ):
-        # Grouped tile order: GROUP_M row-blocks share each column-block while it is in L2.
-        pid = tl.program_id(0)
-        grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * grid_n)
-        first_m = group * GROUP_M
-        group_size = min(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
-        pid_n = (pid % (GROUP_M * grid_n)) // group_size
+        pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -196,34 +215,15 @@ if triton is not None:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        # Dequantize as reference.int8_matmul_dequant does: acc · (scale_a · scale_b · (1/127²)) + bias.
-        sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
-        sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0) if SB_PER_COLUMN else tl.load(sb_ptr)
-        scale = sa[:, None] * sb * (1.0 / 16129.0)
-        out = acc.to(tl.float32) * scale
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        _dequantize_store(acc, rm, rn, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                          SB_PER_COLUMN, HAS_BIAS)
 
-
-if triton is not None:
     def _set_block_shapes(nargs: dict) -> None:
         """The TMA descriptors' box shapes follow the config being tried."""
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
-    def _tma_configs():
-        if interpreting():
-            return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
-                                  pre_hook=_set_block_shapes)]
-        shapes = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 64, 8, 4),
-                  (256, 128, 64, 8, 4), (128, 128, 256, 8, 3), (128, 256, 128, 8, 4), (256, 256, 64, 8, 3)]
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=st,
-                              pre_hook=_set_block_shapes) for m, n, k, w, st in shapes]
-
-    @triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "HAS_BIAS"])
+    @triton.autotune(configs=_matmul_configs(pre_hook=_set_block_shapes), key=["M", "N", "K", "HAS_BIAS"])
     @triton.jit
     def _int8_matmul_tma_kernel(
         a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_om, stride_on,
@@ -233,13 +233,7 @@ if triton is not None:
         """`_int8_matmul_kernel` with the operands loaded by Hopper's tensor memory accelerator (TMA): the
         copy engine fetches whole tiles into shared memory, zero-filled past the edges, while the warps
         multiply. B is read as [N, K], contiguous along K."""
-        pid = tl.program_id(0)
-        grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * grid_n)
-        first_m = group * GROUP_M
-        group_size = min(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
-        pid_n = (pid % (GROUP_M * grid_n)) // group_size
+        pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -248,14 +242,8 @@ if triton is not None:
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         rn = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
-        sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
-        sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0) if SB_PER_COLUMN else tl.load(sb_ptr)
-        out = acc.to(tl.float32) * (sa[:, None] * sb * (1.0 / 16129.0))
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        _dequantize_store(acc, rm, rn, M, N, sa_ptr, sb_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                          SB_PER_COLUMN, HAS_BIAS)
 
 
 def _quantized_dtype(fp8: bool) -> torch.dtype:
