@@ -7,7 +7,8 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
   (`--shards-dir`, `--samples`).
-It reports samples/s (median step time), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of
+It reports samples/s (median step time), the host's time to queue a step (`host_ms`: near `step_ms`, the step
+is bound by the CPU), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of
 the model, so compilation does not hide any op) and their share of a bf16 matmul measured in the same run,
 and peak memory. `--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the
 same model and batch and prints our rate over its rate. `--device cpu` makes it a smoke test.
@@ -105,34 +106,42 @@ def synchronize(device: torch.device) -> None:
 
 
 def median_seconds(fn, iters: int, warmup: int, device: torch.device) -> float:
+    return median_seconds_and_host(fn, iters, warmup, device)[0]
+
+
+def median_seconds_and_host(fn, iters: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    """Medians of (call + device work, the call alone). The call alone is the host's time to queue the work: where
+    it nears the first, the step is bound by the CPU (Python, launches), not the GPU."""
     for _ in range(warmup):
         fn()
     synchronize(device)
-    times = []
+    times, host = [], []
     for _ in range(iters):
         start = time.perf_counter()
         fn()
+        host.append(time.perf_counter() - start)
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
 
 
-def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -> float:
+def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -> tuple[float, float]:
     def step():
         trainer.train_step(next(trainer.loader))
 
-    seconds = median_seconds(step, iters=args.steps, warmup=args.warmup, device=device)
+    seconds, host_seconds = median_seconds_and_host(step, iters=args.steps, warmup=args.warmup, device=device)
     if end_to_end:  # a median hides loader stalls: the mean over a window of consecutive steps does not
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         synchronize(device)
         seconds = max(seconds, (time.perf_counter() - start) / args.steps)
-    return seconds
+    return seconds, host_seconds
 
 
-def print_profile(trainer: Trainer, rows: int, device: torch.device) -> None:
-    """The kernels that take the time of three steps, most expensive first: what to speed up next."""
+def print_profile(trainer: Trainer, rows: int, device: torch.device, trace: str | None) -> None:
+    """The kernels that take the time of three steps, most expensive first: what to speed up next. `trace`: also
+    write the timeline (Chrome trace JSON, for gaps where the device waits for the host)."""
     activity = torch.profiler.ProfilerActivity
     activities = [activity.CPU] + ([activity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profiler:
@@ -141,6 +150,8 @@ def print_profile(trainer: Trainer, rows: int, device: torch.device) -> None:
         synchronize(device)
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60), flush=True)
+    if trace:
+        profiler.export_chrome_trace(trace)
 
 
 def make_shards(directory: str, samples: int, image_size: int) -> str:
@@ -152,7 +163,7 @@ def make_shards(directory: str, samples: int, image_size: int) -> str:
     return pattern
 
 
-def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None) -> dict:
+def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None, trace: str | None = None) -> dict:
     device = torch.device(args.device)
     run_dir = tempfile.mkdtemp(prefix="throughput-")
     base = [f"model={args.model}", "precision=bf16", "optim=adamw", "logger=none", f"data.batch_size={args.batch}",
@@ -167,13 +178,14 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None)
     trainer = trainer_class(cfg, run_dir, DistInfo(0, 1, 0, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = time_steps(trainer, args, device, end_to_end)
+    seconds, host_seconds = time_steps(trainer, args, device, end_to_end)
     if args.profile:
-        print_profile(trainer, args.profile, device)
+        print_profile(trainer, args.profile, device, trace)
     flops = step_flops(cfg)
     result = {
         "impl": "stableclip", "model": args.model, "batch": args.batch, "overrides": overrides,
         "end_to_end": end_to_end, "samples_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
+        "host_ms": host_seconds * 1e3,
         "tflops": flops / seconds / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
@@ -212,6 +224,8 @@ def main() -> int:
     parser.add_argument("--peer", help="path of OpenCLIP's openclip_step.py, run in this call")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, print the ROWS most expensive ops of three profiled steps")
+    parser.add_argument("--trace", metavar="DIR", help="with --profile: write each configuration's Chrome trace "
+                                                        "(timeline) to DIR/N.json")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -220,10 +234,14 @@ def main() -> int:
     ceiling = matmul_ceiling_tflops(device)
     rows = []
     peer = run_peer(args) if args.peer else None
-    for setting in args.set or [""]:
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+    for index, setting in enumerate(args.set or [""]):
         overrides = setting.split()
         for end_to_end in (False, True) if args.end_to_end else (False,):
-            row = measure(args, overrides, end_to_end, ceiling)
+            name = f"{index}{'-end-to-end' if end_to_end else ''}.json"
+            trace = os.path.join(args.trace, name) if args.trace else None
+            row = measure(args, overrides, end_to_end, ceiling, trace)
             if peer:
                 row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
                 row["peak_vs_openclip"] = row["peak_gib"] / peer["peak_gib"] if row["peak_gib"] else None

@@ -20,19 +20,28 @@ def update_rms(optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Paramete
         return [p for p, _ in pairs], optimizer.last_rms
     if not isinstance(optimizer, torch.optim.AdamW):
         return None
-    params, grads, denoms = [], [], []
+    params, ratios = [], []
     for group in optimizer.param_groups:
         beta2, eps = group["betas"][1], group["eps"]
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if p.grad is None or not state:
-                continue
-            # torch keeps the biased second moment; û = u / (1 − β2^t).
-            u_hat = local(state["exp_avg_sq"]) / (1 - beta2 ** state["step"].to(p.device))
-            params.append(p)
-            grads.append(local(p.grad))
-            denoms.append(u_hat.sqrt_().clamp_min_(eps))
+        members = [p for p in group["params"] if p.grad is not None and optimizer.state.get(p)]
+        if not members:
+            continue
+        states = [optimizer.state[p] for p in members]
+        # A few multi-tensor kernels per group, not a handful of launches per tensor: a Python loop over the
+        # tensors here left the GPU waiting on the host for ~10% of a compiled ViT-B/32 step.
+        denoms = torch._foreach_sqrt([local(s["exp_avg_sq"]) for s in states])
+        # torch keeps the biased second moment; sqrt(û) = sqrt(u) / sqrt(1 − β2^t), t per tensor (fused and
+        # capturable AdamW keep it on the device, where reading it would wait for the GPU).
+        steps = torch.stack([s["step"] for s in states]).to(denoms[0].device, torch.float64, non_blocking=True)
+        torch._foreach_div_(denoms, list((1 - beta2**steps).sqrt().to(denoms[0].dtype).unbind()))
+        torch._foreach_clamp_min_(denoms, eps)
+        torch._foreach_reciprocal_(denoms)
+        torch._foreach_mul_(denoms, [local(p.grad) for p in members])
+        params += members
+        ratios += denoms
     if not params:
         return None
-    norms = whole_norms(torch.stack(torch._foreach_norm(torch._foreach_div(grads, denoms))), params)
-    return params, norms / torch.tensor([math.sqrt(p.numel()) for p in params], device=grads[0].device)
+    norms = whole_norms(torch.stack(torch._foreach_norm(ratios)), params)
+    # non_blocking: a plain copy to the GPU waits for all queued work, which left the GPU idle after it.
+    sizes = torch.tensor([math.sqrt(p.numel()) for p in params]).to(ratios[0].device, non_blocking=True)
+    return params, norms / sizes
