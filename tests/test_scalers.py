@@ -105,6 +105,36 @@ def test_update_rms_of_torch_adamw_matches_the_formula():
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-7)
 
 
+def test_update_rms_per_group_betas_and_steps_and_tensors_without_grad():
+    """Groups with their own β2 and ε, a tensor that has stepped fewer times than the others, and one with no
+    gradient (left out), on the unfused optimizer whose step counts live on the host."""
+    model = two_layer_model()
+    first, second = list(model.children())
+    frozen = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([{"params": list(first.parameters()), "betas": (0.9, 0.95), "eps": 1e-6},
+                                   {"params": [*second.parameters(), frozen], "betas": (0.9, 0.99), "eps": 1e-3}],
+                                  lr=1e-2, foreach=False)
+    for step in range(4):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        if step == 0:  # the second layer's bias sits out the first step: one step fewer
+            second.bias.grad = None
+        optimizer.step()
+    params, rms = update_rms(optimizer)
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    for group in optimizer.param_groups:
+        beta2, eps = group["betas"][1], group["eps"]
+        for p in group["params"]:
+            if p is frozen:
+                continue
+            state = optimizer.state[p]
+            u_hat = state["exp_avg_sq"] / (1 - beta2 ** state["step"].item())
+            expected = (p.grad.square() / u_hat.sqrt().clamp_min(eps).square()).mean().sqrt()
+            value = rms[[id(q) for q in params].index(id(p))]
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-7)
+    assert optimizer.state[second.bias]["step"].item() == 3
+
+
 def test_clip_grad_norm_ignores_nonfinite_tensors_when_asked():
     grads = [torch.full((4,), 3.0), torch.full((4,), 4.0), torch.tensor([math.inf])]
     assert math.isinf(clip_grad_norm([g.clone() for g in grads], None).item())
