@@ -2,11 +2,12 @@
 
     python bench/loader.py                                     # 512 images, workers 0 1 2, 20 s each
     python bench/loader.py --images 128 --seconds 5 --workers 0 1 --json /tmp/loader.json
+    python bench/loader.py --long-side 256 384                 # LAION pre-resized to 256 px (img2dataset's default)
 
 1. Builds (once, cached under --out-dir) a shard set of real-sized JPEGs: scikit-image's colour sample
-   photographs, randomly cropped, flipped and resized to 512-1024 px on the long side (fixed seed), saved as
-   JPEG quality 90 with a caption each, and packed by our `src.data.shard_writer.make_shards`. Both loaders
-   read these very same tar files.
+   photographs, randomly cropped, flipped and resized to 512-1024 px on the long side (--long-side; fixed
+   seed), saved as JPEG quality 90 with a caption each, and packed by our `src.data.shard_writer.make_shards`.
+   Both loaders read these very same tar files.
 2. Measures images/s of
    - ours: `TrainLoader` (epoch mode, single rank, image_size 224, context_length 77, --shuffle-buffer);
      batches hold uint8 (B, 3, 224, 224) images: normalization happens later, on the training device;
@@ -21,9 +22,10 @@
    worker processes over the timed window, the least load-sensitive number); and ours/OpenCLIP per worker
    count. torch runs --torch-threads intra-op threads in the main process (default 1, so that workers=0
    really is one core); DataLoader workers always run one.
-3. Microbenchmarks single-image decode strategies on the same JPEGs, in this process: ours (PIL open, draft,
-   convert, random resized crop on the uint8 tensor), the same without draft(), torchvision.io.decode_jpeg
-   and the same crop, and OpenCLIP's per-sample path for reference (PIL full decode + its train transform).
+3. Microbenchmarks single-image decode strategies on the same JPEGs, in this process: ours (torchvision's
+   decode_jpeg for JPEGs under twice the crop size, else PIL with draft(); random resized crop on the uint8
+   tensor), PIL with draft() for every image, PIL without draft(), torchvision.io.decode_jpeg for every image,
+   and OpenCLIP's per-sample path for reference (PIL full decode + its train transform).
    Strategies are interleaved pass by pass, so load drift hits all of them; ms/image is the median pass.
 
 Prints a table and, with --json, writes the numbers with the date, CPU model, core count, versions, the exact
@@ -142,8 +144,8 @@ def sample_photos() -> dict[str, np.ndarray]:
     return photos
 
 
-def write_images(images_dir: str, count: int, seed: int) -> list[Row]:
-    """`count` JPEGs (random crop, flip, 512-1024 px long side, quality 90) and their captions."""
+def write_images(images_dir: str, count: int, seed: int, long_side: tuple[int, int]) -> list[Row]:
+    """`count` JPEGs (random crop, flip, `long_side` px on the long side, quality 90) and their captions."""
     photos = sample_photos()
     names = sorted(photos)
     rng = np.random.default_rng(seed)
@@ -157,8 +159,7 @@ def write_images(images_dir: str, count: int, seed: int) -> list[Row]:
         image = Image.fromarray(photo[top : top + h, left : left + w])
         if rng.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        long_side = int(rng.integers(512, 1025))
-        scale = long_side / max(w, h)
+        scale = int(rng.integers(long_side[0], long_side[1] + 1)) / max(w, h)
         image = image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.LANCZOS)
         path = f"{i:05d}.jpg"
         image.save(os.path.join(images_dir, path), format="JPEG", quality=JPEG_QUALITY)
@@ -168,9 +169,10 @@ def write_images(images_dir: str, count: int, seed: int) -> list[Row]:
     return rows
 
 
-def build_dataset(out_dir: str, count: int, shards: int, seed: int) -> dict:
-    """The cached shard set for (count, shards, seed), built on first use; returns its manifest."""
-    final = os.path.join(out_dir, f"data-v{DATA_VERSION}-n{count}-s{shards}-seed{seed}")
+def build_dataset(out_dir: str, count: int, shards: int, seed: int, long_side: tuple[int, int]) -> dict:
+    """The cached shard set for (count, shards, seed, long side), built on first use; returns its manifest."""
+    sides = "" if long_side == (512, 1024) else f"-px{long_side[0]}-{long_side[1]}"  # older caches keep their name
+    final = os.path.join(out_dir, f"data-v{DATA_VERSION}-n{count}-s{shards}-seed{seed}{sides}")
     manifest_path = os.path.join(final, "manifest.json")
     if os.path.isfile(manifest_path):
         with open(manifest_path) as f:
@@ -180,7 +182,7 @@ def build_dataset(out_dir: str, count: int, shards: int, seed: int) -> dict:
     images_dir, shards_dir = os.path.join(tmp, "images"), os.path.join(tmp, "shards")
     os.makedirs(images_dir)
     print(f"writing {count} JPEGs to {images_dir}")
-    rows = write_images(images_dir, count, seed)
+    rows = write_images(images_dir, count, seed, long_side)
     summary = make_shards(rows, images_dir, shards_dir, shard_size=math.ceil(count / shards), workers=2,
                           quality=JPEG_QUALITY)
     if summary.failures:
@@ -275,6 +277,13 @@ def decode_ours(data: bytes, rng: random.Random) -> torch.Tensor:
     return decode_image(data, IMAGE_SIZE, rng, CROP_SCALE_MIN)
 
 
+def decode_pil_draft(data: bytes, rng: random.Random) -> torch.Tensor:
+    with Image.open(io.BytesIO(data)) as img:
+        img.draft("RGB", (IMAGE_SIZE, IMAGE_SIZE))
+        image = TF.pil_to_tensor(img.convert("RGB"))
+    return crop_uint8(image, rng)
+
+
 def decode_pil_no_draft(data: bytes, rng: random.Random) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as img:
         image = TF.pil_to_tensor(img.convert("RGB"))
@@ -296,7 +305,8 @@ def decode_openclip(data: bytes, rng: random.Random) -> torch.Tensor:
 
 
 DECODERS = {
-    "PIL draft + uint8 crop (ours)": decode_ours,
+    "ours: decode_jpeg below 2x crop, else PIL draft": decode_ours,
+    "PIL draft + uint8 crop": decode_pil_draft,
     "PIL no draft + uint8 crop": decode_pil_no_draft,
     "torchvision decode_jpeg + uint8 crop": decode_torchvision,
     "OpenCLIP: PIL + image_transform (float)": decode_openclip,
@@ -332,9 +342,9 @@ def print_tables(results: list[dict], ratios: dict, decode: dict) -> None:
         print(f"ours/OpenCLIP at workers={workers}: {ratio['images_per_s']:.2f}x images/s, "
               f"{ratio['cpu_ms_per_image']:.2f}x CPU time per image")
     if decode:
-        print(f"\n{'decode strategy (one process)':<42} {'ms/image':>8} {'min':>7}")
+        print(f"\n{'decode strategy (one process)':<48} {'ms/image':>8} {'min':>7}")
         for name, d in decode.items():
-            print(f"{name:<42} {d['ms_per_image']:>8.2f} {d['ms_per_image_min']:>7.2f}")
+            print(f"{name:<48} {d['ms_per_image']:>8.2f} {d['ms_per_image_min']:>7.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default="/tmp/loader_bench", help="cache folder for the images and shards")
     parser.add_argument("--images", type=int, default=512, help="JPEGs in the shard set")
     parser.add_argument("--shards", type=int, default=8, help="shards to pack them into")
+    parser.add_argument("--long-side", type=int, nargs=2, default=[512, 1024], metavar=("MIN", "MAX"),
+                        help="pixels on the JPEGs' long side, drawn uniformly")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts")
     parser.add_argument("--seconds", type=float, default=20.0, help="timed wall time per loader and worker count")
@@ -360,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_start = os.getloadavg()
     torch.set_num_threads(args.torch_threads)
-    data = build_dataset(args.out_dir, args.images, args.shards, args.seed)
+    data = build_dataset(args.out_dir, args.images, args.shards, args.seed, tuple(args.long_side))
     if data["shards"] < max(args.workers):
         parser.error(f"{data['shards']} shards cannot feed {max(args.workers)} workers: raise --shards")
     print(f"data: {data['images']} JPEGs in {data['shards']} shards ({data['pattern']}), "

@@ -120,6 +120,28 @@ def test_corrupt_image_is_skipped(tmp_path, shapes):
     assert len(batch["keys"]) == 33 and batches.bad_counts() == {"corrupt_image": 1}
 
 
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
+def test_small_jpegs_decode_as_pil_does_and_large_ones_at_a_reduced_scale(mode):
+    """Under twice the crop size a JPEG goes to torchvision's decoder, which gives PIL's pixels exactly; from twice
+    the crop size up, PIL's draft() decodes it at a reduced DCT scale that still covers the crop."""
+    import numpy as np
+    from PIL import Image
+    from torchvision.transforms.v2 import functional as TF
+
+    from src.data.image_text import load_rgb
+
+    pixels = (np.random.default_rng(0).random((300, 1000, 3)) * 255).astype(np.uint8)
+    for width, shape in ((420, (300, 420)), (1000, (150, 500))):  # 300 < 2 · 224; 1000 x 300 ≥ 2 · 128
+        size = 224 if width == 420 else 128
+        buffer = io.BytesIO()
+        Image.fromarray(pixels[:, :width]).convert(mode).save(buffer, format="JPEG", quality=90)
+        with Image.open(io.BytesIO(buffer.getvalue())) as img:
+            img.draft("RGB", (size, size))
+            want = TF.pil_to_tensor(img.convert("RGB"))
+        got = load_rgb(buffer.getvalue(), size)
+        assert got.shape == (3, *shape) and torch.equal(got, want), (mode, width)
+
+
 def test_eval_batches_carry_labels(shapes):
     batches = list(eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16,
                                 num_workers=2))
