@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.workers) < 0 or args.images < args.batch or args.seconds <= 0:
         parser.error("need --workers >= 0, --images >= --batch and --seconds > 0")
+    if not 0 < args.long_side[0] <= args.long_side[1]:
+        parser.error(f"--long-side {args.long_side[0]} {args.long_side[1]}: need 0 < MIN <= MAX")
 
     load_start = os.getloadavg()
     torch.set_num_threads(args.torch_threads)
