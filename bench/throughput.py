@@ -7,11 +7,12 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
   (`--shards-dir`, `--samples`).
-It reports samples/s (median step time), the host's time to queue a step (`host_ms`: near `step_ms`, the step
-is bound by the CPU), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of
-the model, so compilation does not hide any op) and their share of a bf16 matmul measured in the same run,
-and peak memory. `--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the
-same model and batch and prints our rate over its rate. `--device cpu` makes it a smoke test.
+It reports samples/s (median step time), the host's time to queue a step (`host_ms`: near `step_ms`, the
+step is bound by the CPU), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
+compilation does not hide any op) and their share of a bf16 matmul measured in the same run, and peak memory.
+`--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and
+batch and prints our rate over its rate. `--profile ROWS [--trace DIR]` prints the costliest kernels of three
+steps and writes their timeline. `--device cpu` makes it a smoke test.
 """
 
 from __future__ import annotations
