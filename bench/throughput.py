@@ -6,7 +6,7 @@
 Each configuration builds the real `Trainer` (the code `train.py` runs) and times `Trainer.train_step`:
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
-  (`--shards-dir`, `--samples`).
+  (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`.
 It reports samples/s (median step time), the host's time to queue a step (`host_ms`: near `step_ms`, the
 step is bound by the CPU), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
 compilation does not hide any op) and their share of a bf16 matmul measured in the same run, and peak memory.
@@ -80,8 +80,9 @@ def compose_config(overrides: list[str]):
 
 def step_flops(cfg) -> int:
     """FLOPs of one training step (forward + backward) of the model, counted on the meta device. SwitchBack
-    layers do the same multiply-adds in 8 bits, so they are counted as the standard linear layers they replace."""
-    model = build_model(dataclasses.replace(cfg.model, linear="standard"), "meta")
+    layers do the same multiply-adds in 8 bits, so they are counted as the standard linear layers they replace;
+    the triton_short attention kernel does SDPA's matmuls, so it is counted as SDPA."""
+    model = build_model(dataclasses.replace(cfg.model, linear="standard", attention_backend="auto"), "meta")
     batch, size = cfg.data.batch_size, cfg.model.vision.image_size
     images = torch.empty(batch, 3, size, size, device="meta")
     tokens = torch.zeros(batch, cfg.model.text.context_length, dtype=torch.long, device="meta")
@@ -131,12 +132,21 @@ def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -
         trainer.train_step(next(trainer.loader))
 
     seconds, host_seconds = median_seconds_and_host(step, iters=args.steps, warmup=args.warmup, device=device)
-    if end_to_end:  # a median hides loader stalls: the mean over a window of consecutive steps does not
+    if end_to_end:
+        # A median hides loader stalls: the mean over a window of consecutive steps does not. Each worker builds
+        # whole batches, so they arrive in rounds of `num_workers`, and the DataLoader holds up to 4 per worker,
+        # filled while the model compiled. Steps first run for e2e_warmup_seconds to use up that head start;
+        # the window then spans many rounds, so it measures the rate rather than its phase within one round.
         start = time.perf_counter()
-        for _ in range(args.steps):
+        while time.perf_counter() - start < args.e2e_warmup_seconds:
             step()
         synchronize(device)
-        seconds = max(seconds, (time.perf_counter() - start) / args.steps)
+        start, steps = time.perf_counter(), 0
+        while steps < args.steps or time.perf_counter() - start < args.e2e_seconds:
+            step()
+            steps += 1
+        synchronize(device)
+        seconds = max(seconds, (time.perf_counter() - start) / steps)
     return seconds, host_seconds
 
 
@@ -222,6 +232,11 @@ def main() -> int:
     parser.add_argument("--end-to-end", action="store_true", help="also time each configuration on the real loader")
     parser.add_argument("--shards-dir", default=os.path.join(tempfile.gettempdir(), "throughput-shards"))
     parser.add_argument("--samples", type=int, default=20000, help="images written for --end-to-end")
+    parser.add_argument("--e2e-warmup-seconds", type=float, default=30.0,
+                        help="--end-to-end: steps run this long before the window, to drain batches prefetched "
+                             "while compiling")
+    parser.add_argument("--e2e-seconds", type=float, default=30.0,
+                        help="--end-to-end: the timed window (at least --steps steps)")
     parser.add_argument("--peer", help="path of OpenCLIP's openclip_step.py, run in this call")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, print the ROWS most expensive ops of three profiled steps")

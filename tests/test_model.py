@@ -5,7 +5,6 @@ import pytest
 import torch
 from open_clip.model import CLIP as OpenCLIP
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
-from torch.nn.attention import SDPBackend
 
 from src.config import ModelConfig, TextConfig, VisionConfig
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
@@ -172,9 +171,9 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     config.attention_backend = "math"
     restricted = build_model(config)
     restricted.load_state_dict(auto.state_dict())
-    assert all(a.backends == [SDPBackend.MATH] for a in restricted.modules() if isinstance(a, Attention))
+    assert all(a.backend == "math" for a in restricted.modules() if isinstance(a, Attention))
     images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16))
     torch.testing.assert_close(restricted(images, tokens)[:2], auto(images, tokens)[:2])
     config.attention_backend = "fastest"
-    with pytest.raises(ValueError, match="model.attention_backend='fastest' is not one of auto, flash"):
+    with pytest.raises(ValueError, match="model.attention_backend='fastest' is not one of auto, triton_short, flash"):
         build_model(config)

@@ -20,6 +20,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from src.models import short_attention
+
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
 # Ops whose outputs `selective` keeps: the FLOPs of a block. Re-running them would cost nearly a second
@@ -35,6 +37,7 @@ _SAVED_BY_SELECTIVE = frozenset({
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.stableclip.short_attention_forward.default,
 })
 
 
@@ -80,9 +83,12 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
-# model.attention_backend -> the SDPA kernels allowed (auto: PyTorch's own choice, which on an H200 is cuDNN).
+# model.attention_backend -> the SDPA kernels allowed (None: PyTorch's own choice, which on an H200 is cuDNN).
+# auto also takes our kernel where it applies (short_attention.py: CUDA, 16 bits, at most 128 tokens);
+# triton_short takes it for every sequence of at most 128 tokens and fails where it cannot run.
 ATTENTION_BACKENDS = {
     "auto": None,
+    "triton_short": None,
     "flash": [SDPBackend.FLASH_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
@@ -96,7 +102,22 @@ def set_attention_backend(module: nn.Module, backend: str) -> None:
         raise ValueError(f"model.attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     for attention in module.modules():
         if isinstance(attention, Attention):
-            attention.backends = ATTENTION_BACKENDS[backend]
+            attention.backend = backend
+
+
+def sdpa_attention(
+    qkv: torch.Tensor, heads: int, causal: bool = False, backends: list[SDPBackend] | None = None
+) -> torch.Tensor:
+    """Multi-head self-attention of a fused QKV projection's output [B, L, 3·W] -> [B, L, W], through
+    `F.scaled_dot_product_attention` restricted to `backends` (None: PyTorch's choice)."""
+    batch, length, three_width = qkv.shape
+    q, k, v = qkv.view(batch, length, 3, heads, three_width // 3 // heads).permute(2, 0, 3, 1, 4)
+    if backends is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return out.transpose(1, 2).reshape(batch, length, three_width // 3)
 
 
 class Attention(nn.Module):
@@ -113,18 +134,15 @@ class Attention(nn.Module):
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * width))
         self.out_proj = nn.Linear(width, width)
-        self.backends: list[SDPBackend] | None = None  # None: PyTorch picks; set_attention_backend restricts it
+        self.backend = "auto"  # a key of ATTENTION_BACKENDS; set_attention_backend sets it
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        batch, length, width = x.shape
         qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
-        q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        if self.backends is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        else:
-            with sdpa_kernel(self.backends):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, length, width))
+        if (self.backend == "triton_short" and x.shape[1] <= short_attention.MAX_LENGTH) or (
+            self.backend == "auto" and short_attention.applies(qkv, self.heads)
+        ):
+            return self.out_proj(short_attention.short_attention(qkv, self.heads, causal))
+        return self.out_proj(sdpa_attention(qkv, self.heads, causal, ATTENTION_BACKENDS[self.backend]))
 
 
 class Block(nn.Module):
