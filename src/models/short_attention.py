@@ -45,8 +45,8 @@ def unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
     if qkv.dtype not in (torch.bfloat16, torch.float16):
         return (f"it needs bf16 or fp16 activations, got {qkv.dtype}: train under autocast "
                 "(trainer.precision=bf16 or fp16)")
-    if not 16 <= head_dim <= 256:
-        return f"it needs a head size of 16 to 256, got {head_dim}"
+    if not 16 <= head_dim <= 128:
+        return f"it needs a head size of 16 to 128, got {head_dim}"
     return None
 
 
