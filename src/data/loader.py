@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from open_clip.tokenizer import tokenize
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from src.config import DataConfig
 from src.data.image_text import decode_image, image_bytes
@@ -199,7 +199,9 @@ class TrainStream(IterableDataset):
             keys.append(sample["__key__"])
             if len(images) == self.batch_size:
                 yield {
-                    "images": torch.stack(images), "tokens": tokenize(captions, self.context_length), "keys": keys,
+                    # In a worker, default_collate stacks straight into shared memory; torch.stack would make a
+                    # private batch that sending it to the training process then copies again.
+                    "images": default_collate(images), "tokens": tokenize(captions, self.context_length), "keys": keys,
                     "role": role, "position": reader.current_position().to_state(),
                     "bad": {"counts": dict(bad.counts), "shards": dict(bad.shards)},
                 }
@@ -328,7 +330,7 @@ class EvalStream(IterableDataset):
 
     def _batch(self, images: list, captions: list, labels: list) -> dict:
         return {
-            "images": torch.stack(images), "tokens": tokenize(captions, self.context_length),
+            "images": default_collate(images), "tokens": tokenize(captions, self.context_length),
             "labels": torch.tensor(labels),
         }
 
