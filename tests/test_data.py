@@ -10,7 +10,7 @@ import torch
 
 from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
-from src.data.loader import TrainLoader, eval_batches
+from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.synthetic_shapes import draw_sample, where
 
@@ -292,3 +292,10 @@ def test_captions_say_where_an_off_centre_shape_sits():
     assert where(0.5, 0.5) == ""
     caption = draw_sample(random.Random(0), 32)[2]
     assert caption.endswith(", on the right, down low")  # the first sample sits bottom right
+
+
+@pytest.mark.parametrize(("cpus", "ranks", "workers"), [(2, 1, 1), (16, 1, 12), (128, 1, 16), (128, 8, 12), (4, 8, 1)])
+def test_default_num_workers_leaves_a_quarter_of_each_ranks_cpus(monkeypatch, cpus, ranks, workers):
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    assert default_num_workers() == workers

@@ -49,10 +49,11 @@ MIN_BAD_TO_JUDGE = 10
 
 def default_num_workers() -> int:
     """Loader processes per rank when data.num_workers is null: three quarters of this rank's share of the
-    node's CPUs. The rest is the training process's: on one H200 with 16 CPUs, a ViT-B/32 run fed by 12 workers
-    outran the same run with 8 or 15 (docs/BENCHMARKS.md)."""
+    node's CPUs, at most 16. The rest is the training process's: on one H200 with 16 CPUs, a ViT-B/32 run fed
+    by 12 workers outran the same run with 8 or 15 (docs/BENCHMARKS.md). The cap bounds the shared memory the
+    prefetched batches hold (4 per worker: 0.6 GB per worker at ViT-B/32's batch of 1,024)."""
     per_rank = (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, per_rank * 3 // 4)
+    return max(1, min(16, per_rank * 3 // 4))
 
 
 def decode_pixels(
