@@ -58,10 +58,10 @@ def main() -> int:
         qkv = torch.randn(batch, length, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)
         qkv.requires_grad_()
         ms = interleaved_ms(steps(qkv, heads, causal), args.iters, args.rounds)
-        # Bytes the fused forward and backward must move: Q, K, V in and O out; Q, K, V, O, dO in and dQKV out.
-        element = qkv.element_size()
-        forward_bytes = qkv.numel() * element * 4 // 3
-        backward_bytes = qkv.numel() * element * (2 + 2 / 3 * 2)
+        # Bytes the fused forward and backward must move, in units of the QKV tensor (O and dO are a third of it):
+        # Q, K, V in and O out (4/3); Q, K, V, O, dO in and dQKV out (8/3).
+        qkv_bytes = qkv.numel() * qkv.element_size()
+        forward_bytes, backward_bytes = qkv_bytes * 4 / 3, qkv_bytes * 8 / 3
         print(json.dumps({
             "shape": what, "batch": batch, "tokens": length, "heads": heads, "head_dim": head_dim, "causal": causal,
             **{name: round(value, 3) for name, value in ms.items()},

@@ -103,7 +103,7 @@ def test_custom_ops_pass_torch_library_checks():
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs CPU tensors")
 def test_cpu_tensors_fail_with_the_fix_and_auto_keeps_sdpa():
     qkv = torch.zeros(1, 4, 96, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="needs a CUDA GPU, but the model is on cpu, or use model.attention_backend="):
+    with pytest.raises(ValueError, match="needs a CUDA GPU, but the model is on cpu; or use model.attention_backend="):
         sa.short_attention(qkv, 2)
     assert not sa.applies(qkv, 2)
 

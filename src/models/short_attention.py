@@ -220,6 +220,6 @@ def short_attention(qkv: torch.Tensor, heads: int, causal: bool = False) -> torc
     `F.scaled_dot_product_attention` over the heads up to 16-bit rounding."""
     reason = unsupported_reason(qkv, heads)
     if reason is not None:
-        raise ValueError(f"model.attention_backend=triton_short cannot run here: {reason}, or use "
+        raise ValueError(f"model.attention_backend=triton_short cannot run here: {reason}; or use "
                          "model.attention_backend=auto")
     return torch.ops.stableclip.short_attention_forward(qkv.contiguous(), heads, causal)[0]
