@@ -1,9 +1,12 @@
-"""Self-attention on short sequences, forward + backward from the fused QKV projection's output to its
+"""Self-attention at CLIP's sequence lengths, forward + backward from the fused QKV projection's output to its
 gradient: PyTorch's SDPA (its own kernel choice, cuDNN on an H200; plus the views and the copy that
-assembles dQ, dK, dV into one tensor) against our kernel (`model.attention_backend=triton_short`), bf16,
-same run, the two taking turns.
+assembles dQ, dK, dV into one tensor) against our kernels (`model.attention_backend=triton_short` up to 128
+tokens, `triton_tiled` beyond), bf16, same run, taking turns.
 
-    python bench/short_attention.py [--iters 20] [--rounds 5]
+    python bench/short_attention.py [--iters 20] [--rounds 5] [--tiled-configs 64,4,3 128,8,2] [--shapes "image tower"]
+
+--tiled-configs also times the tiled kernel with other (tile rows, warps, pipelining stages) than
+tiled_attention.py's BLOCK, WARPS, STAGES, in the same rounds.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
-from src.models.short_attention import short_attention  # noqa: E402
+from src.models import tiled_attention  # noqa: E402
+from src.models.short_attention import MAX_LENGTH, short_attention  # noqa: E402
 from src.models.transformer import sdpa_attention  # noqa: E402
 
 # (what, batch, tokens, heads, head size, causal)
@@ -27,10 +32,27 @@ SHAPES = [
     ("ViT-B/32 text tower", 1024, 77, 8, 64, True),
     ("ViT-L/14 text tower", 256, 77, 12, 64, True),
     ("ViT-H/14 text tower", 256, 77, 16, 64, True),
+    ("ViT-B/16 image tower", 512, 197, 12, 64, False),
+    ("ViT-L/14 image tower", 256, 257, 16, 64, False),
+    ("ViT-H/14 image tower", 256, 257, 16, 80, False),
 ]
 
 
-def steps(qkv: torch.Tensor, heads: int, causal: bool) -> dict:
+def with_settings(step, settings: tuple[int, int, int]):
+    """`step` (forward, and backward where it has one) with tiled_attention's (BLOCK, WARPS, STAGES) set to
+    `settings`."""
+    def run():
+        saved = tiled_attention.BLOCK, tiled_attention.WARPS, tiled_attention.STAGES
+        tiled_attention.BLOCK, tiled_attention.WARPS, tiled_attention.STAGES = settings
+        try:
+            step()
+        finally:
+            tiled_attention.BLOCK, tiled_attention.WARPS, tiled_attention.STAGES = saved
+    return run
+
+
+def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple[int, int, int]]) -> dict:
+    ours = short_attention if qkv.shape[1] <= MAX_LENGTH else tiled_attention.tiled_attention
     grad_out = torch.randn(*qkv.shape[:2], qkv.shape[2] // 3, device=qkv.device, dtype=qkv.dtype)
 
     def forward_backward(attention):
@@ -44,20 +66,38 @@ def steps(qkv: torch.Tensor, heads: int, causal: bool) -> dict:
                 attention(qkv, heads, causal)
         return run
 
-    return {"sdpa_fwd_bwd": forward_backward(sdpa_attention), "ours_fwd_bwd": forward_backward(short_attention),
-            "sdpa_fwd": forward(sdpa_attention), "ours_fwd": forward(short_attention)}
+    timed = {"sdpa_fwd_bwd": forward_backward(sdpa_attention), "ours_fwd_bwd": forward_backward(ours),
+             "sdpa_fwd": forward(sdpa_attention), "ours_fwd": forward(ours)}
+    if ours is not short_attention:
+        for settings in tiled_configs:
+            name = "tiled_{}_{}_{}".format(*settings)
+            step = with_settings(forward_backward(ours), settings)
+            try:
+                step()
+            except triton.runtime.errors.OutOfResources as error:  # e.g. too many stages of large tiles
+                print(json.dumps({"skipped": name, "shape": list(qkv.shape), "why": str(error)}))
+                continue
+            timed[name + "_fwd_bwd"] = step
+            timed[name + "_fwd"] = with_settings(forward(ours), settings)
+    return timed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiled-configs", nargs="*", default=[], metavar="BLOCK,WARPS,STAGES",
+                        help="other launch settings of the tiled kernel to time, e.g. 128,8,2")
+    parser.add_argument("--shapes", nargs="*", default=[], help="only the shapes whose name contains one of these")
     args = parser.parse_args()
+    tiled_configs = [tuple(int(v) for v in config.split(",")) for config in args.tiled_configs]
     for what, batch, length, heads, head_dim, causal in SHAPES:
+        if args.shapes and not any(name in what for name in args.shapes):
+            continue
         torch.manual_seed(0)
         qkv = torch.randn(batch, length, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)
         qkv.requires_grad_()
-        ms = interleaved_ms(steps(qkv, heads, causal), args.iters, args.rounds)
+        ms = interleaved_ms(steps(qkv, heads, causal, tiled_configs), args.iters, args.rounds)
         # Bytes the fused forward and backward must move, in units of the QKV tensor (O and dO are a third of it):
         # Q, K, V in and O out (4/3); Q, K, V, O, dO in and dQKV out (8/3).
         qkv_bytes = qkv.numel() * qkv.element_size()

@@ -81,7 +81,7 @@ def compose_config(overrides: list[str]):
 def step_flops(cfg) -> int:
     """FLOPs of one training step (forward + backward) of the model, counted on the meta device. SwitchBack
     layers do the same multiply-adds in 8 bits, so they are counted as the standard linear layers they replace;
-    the triton_short attention kernel does SDPA's matmuls, so it is counted as SDPA."""
+    our attention kernels (triton_short, triton_tiled) do SDPA's matmuls, so they are counted as SDPA."""
     model = build_model(dataclasses.replace(cfg.model, linear="standard", attention_backend="auto"), "meta")
     batch, size = cfg.data.batch_size, cfg.model.vision.image_size
     images = torch.empty(batch, 3, size, size, device="meta")
@@ -189,6 +189,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     trainer = trainer_class(cfg, run_dir, DistInfo(0, 1, 0, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
     seconds, host_seconds = time_steps(trainer, args, device, end_to_end)
     if args.profile:
         print_profile(trainer, args.profile, device, trace)
@@ -199,6 +200,9 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
         "host_ms": host_seconds * 1e3,
         "tflops": flops / seconds / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # Times the caching allocator ran out, freed its cache and retried (warm-up and timed steps): each waits
+        # for the GPU to finish.
+        "alloc_retries": torch.cuda.memory_stats(device)["num_alloc_retries"] if device.type == "cuda" else None,
     }
     if ceiling:
         result["share_of_matmul_ceiling"] = result["tflops"] / ceiling

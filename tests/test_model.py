@@ -175,5 +175,6 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16))
     torch.testing.assert_close(restricted(images, tokens)[:2], auto(images, tokens)[:2])
     config.attention_backend = "fastest"
-    with pytest.raises(ValueError, match="model.attention_backend='fastest' is not one of auto, triton_short, flash"):
+    with pytest.raises(ValueError,
+                       match="model.attention_backend='fastest' is not one of auto, triton_short, triton_tiled, flash"):
         build_model(config)

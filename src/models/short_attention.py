@@ -33,11 +33,10 @@ from src.triton_interpreter import interpreting
 MAX_LENGTH = 128
 
 
-def unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
-    """Why the kernel cannot run on `qkv` (with the fix), or None where it can."""
+def kernel_unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
+    """Why our Triton attention kernels (this one-tile kernel and tiled_attention's) cannot run on `qkv`,
+    whatever its length (with the fix), or None where they can."""
     head_dim = qkv.shape[-1] // 3 // heads
-    if qkv.shape[1] > MAX_LENGTH:
-        return f"it takes sequences of at most {MAX_LENGTH} tokens, got {qkv.shape[1]}"
     if triton is None:
         return "it needs Triton (installed with PyTorch's CUDA wheels on Linux): install triton"
     if qkv.device.type != "cuda" and not interpreting():
@@ -48,6 +47,13 @@ def unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
     if not 16 <= head_dim <= 128:
         return f"it needs a head size of 16 to 128, got {head_dim}"
     return None
+
+
+def unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
+    """Why this kernel cannot run on `qkv` (with the fix), or None where it can."""
+    if qkv.shape[1] > MAX_LENGTH:
+        return f"it takes sequences of at most {MAX_LENGTH} tokens, got {qkv.shape[1]}"
+    return kernel_unsupported_reason(qkv, heads)
 
 
 def applies(qkv: torch.Tensor, heads: int) -> bool:
@@ -69,6 +75,7 @@ def _launch_config(length: int, head_dim: int) -> tuple[int, int, int]:
 
 if triton is not None:
     _INTERPRETING = tl.constexpr(interpreting())
+    _MAX_LENGTH = tl.constexpr(MAX_LENGTH)
 
     @triton.jit
     def _dot(a, b):
@@ -115,7 +122,7 @@ if triton is not None:
         o = _dot(p.to(v.dtype), v) / row_sum[:, None]
         out_base = out + sample.to(tl.int64) * length * width + head * head_dim
         tl.store(out_base + rows[:, None] * width + cols[None, :], o.to(out.dtype.element_ty), mask=inside)
-        tl.store(lse + program.to(tl.int64) * BLOCK + rows, row_max + tl.log2(row_sum))
+        tl.store(lse + program.to(tl.int64) * _MAX_LENGTH + rows, row_max + tl.log2(row_sum))
 
     @triton.jit
     def _backward_kernel(
@@ -131,7 +138,7 @@ if triton is not None:
         out_offsets = sample.to(tl.int64) * length * width + head * head_dim + rows[:, None] * width + cols[None, :]
         o = tl.load(out + out_offsets, mask=inside, other=0.0)
         do = tl.load(grad_out + out_offsets, mask=inside, other=0.0)
-        row_lse = tl.load(lse + program.to(tl.int64) * BLOCK + rows)
+        row_lse = tl.load(lse + program.to(tl.int64) * _MAX_LENGTH + rows)
         # Past the sequence, dO is zero, so those rows add nothing to dK or dV.
         s = _scores_log2(q, k, rows, length, scale_log2, CAUSAL)
         p = tl.exp2(s - row_lse[:, None])
@@ -157,11 +164,11 @@ def _shape(qkv: torch.Tensor, heads: int) -> tuple[int, int, int, int]:
 @torch.library.custom_op("stableclip::short_attention_forward", mutates_args=())
 def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [B, L, 3·W] (contiguous, laid out as the QKV projection writes it) -> (out [B, L, W], the
-    log-sum-exp of each query's scores in log2 units [B·heads, tile rows], fp32)."""
+    log-sum-exp of each query's scores in log2 units [B·heads, MAX_LENGTH], fp32, the tile's rows first)."""
     batch, length, width, head_dim = _shape(qkv, heads)
     block, block_d, warps = _launch_config(length, head_dim)
     out = qkv.new_empty(batch, length, width)
-    lse = torch.empty(batch * heads, block, device=qkv.device, dtype=torch.float32)
+    lse = torch.empty(batch * heads, MAX_LENGTH, device=qkv.device, dtype=torch.float32)
     scale = head_dim ** -0.5
     _forward_kernel[(batch * heads,)](
         qkv, out, lse, length, heads, head_dim, scale * math.log2(math.e),
@@ -173,7 +180,8 @@ def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor,
 @_forward.register_fake
 def _(qkv, heads, causal):
     batch, length, width, head_dim = _shape(qkv, heads)
-    return qkv.new_empty(batch, length, width), qkv.new_empty(batch * heads, _tile_rows(length), dtype=torch.float32)
+    # No tile arithmetic here: under dynamic shapes `length` is symbolic.
+    return qkv.new_empty(batch, length, width), qkv.new_empty(batch * heads, MAX_LENGTH, dtype=torch.float32)
 
 
 @torch.library.custom_op("stableclip::short_attention_backward", mutates_args=())
@@ -197,29 +205,36 @@ def _(grad_out, qkv, out, lse, heads, causal):
     return torch.empty_like(qkv)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    qkv, heads, causal = inputs
-    out, lse = output
-    ctx.heads, ctx.causal = heads, causal
-    ctx.save_for_backward(qkv, out, lse)
+def register_autograd(forward_op, backward_op) -> None:
+    """Autograd for a pair of custom ops: forward_op(qkv, heads, causal) -> (out, lse) and
+    backward_op(grad_out, qkv, out, lse, heads, causal) -> grad_qkv."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        qkv, heads, causal = inputs
+        out, lse = output
+        ctx.heads, ctx.causal = heads, causal
+        ctx.save_for_backward(qkv, out, lse)
+
+    def grads(ctx, grad_out, _grad_lse):
+        qkv, out, lse = ctx.saved_tensors
+        return backward_op(grad_out.to(qkv.dtype).contiguous(), qkv, out, lse, ctx.heads, ctx.causal), None, None
+
+    forward_op.register_autograd(grads, setup_context=setup_context)
 
 
-def _grads(ctx, grad_out, _grad_lse):
-    qkv, out, lse = ctx.saved_tensors
-    grad_qkv = torch.ops.stableclip.short_attention_backward(
-        grad_out.to(qkv.dtype).contiguous(), qkv, out, lse, ctx.heads, ctx.causal)
-    return grad_qkv, None, None
+register_autograd(_forward, _backward)
 
 
-_forward.register_autograd(_grads, setup_context=_setup_context)
+def run_checked(forward_op, backend: str, reason: str | None, qkv: torch.Tensor, heads: int, causal: bool):
+    """forward_op's attention output for qkv, or a ValueError naming why `backend` cannot run here (`reason`)."""
+    if reason is not None:
+        raise ValueError(f"model.attention_backend={backend} cannot run here: {reason}; or use "
+                         "model.attention_backend=auto")
+    return forward_op(qkv.contiguous(), heads, causal)[0]
 
 
 def short_attention(qkv: torch.Tensor, heads: int, causal: bool = False) -> torch.Tensor:
     """Multi-head self-attention of qkv [B, L, 3·W] (Q, K, V side by side, each head's D = W / heads features
     contiguous, as `Attention`'s fused projection writes them) for L <= 128: the output [B, L, W], equal to
     `F.scaled_dot_product_attention` over the heads up to 16-bit rounding."""
-    reason = unsupported_reason(qkv, heads)
-    if reason is not None:
-        raise ValueError(f"model.attention_backend=triton_short cannot run here: {reason}; or use "
-                         "model.attention_backend=auto")
-    return torch.ops.stableclip.short_attention_forward(qkv.contiguous(), heads, causal)[0]
+    return run_checked(_forward, "triton_short", unsupported_reason(qkv, heads), qkv, heads, causal)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from src.models import short_attention
+from src.models import short_attention, tiled_attention
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
@@ -38,6 +38,7 @@ _SAVED_BY_SELECTIVE = frozenset({
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.stableclip.short_attention_forward.default,
+    torch.ops.stableclip.tiled_attention_forward.default,
 })
 
 
@@ -84,11 +85,13 @@ class LayerScale(nn.Module):
 
 
 # model.attention_backend -> the SDPA kernels allowed (None: PyTorch's own choice, which on an H200 is cuDNN).
-# auto also takes our kernel where it applies (short_attention.py: CUDA, 16 bits, at most 128 tokens);
-# triton_short takes it for every sequence of at most 128 tokens and fails where it cannot run.
+# auto also takes our kernels where they apply (CUDA, 16 bits): short_attention.py up to 128 tokens,
+# tiled_attention.py up to its AUTO_MAX_LENGTH. triton_short takes the first for every sequence of at most 128
+# tokens, triton_tiled the second for every sequence; both fail where they cannot run.
 ATTENTION_BACKENDS = {
     "auto": None,
     "triton_short": None,
+    "triton_tiled": None,
     "flash": [SDPBackend.FLASH_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
@@ -138,11 +141,24 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
-        if (self.backend == "triton_short" and x.shape[1] <= short_attention.MAX_LENGTH) or (
-            self.backend == "auto" and short_attention.applies(qkv, self.heads)
-        ):
-            return self.out_proj(short_attention.short_attention(qkv, self.heads, causal))
+        kernel = self._our_kernel(qkv)
+        if kernel is not None:
+            return self.out_proj(kernel(qkv, self.heads, causal))
         return self.out_proj(sdpa_attention(qkv, self.heads, causal, ATTENTION_BACKENDS[self.backend]))
+
+    def _our_kernel(self, qkv: torch.Tensor):
+        """Which of our Triton attention functions the backend takes for qkv, or None for SDPA."""
+        short = qkv.shape[1] <= short_attention.MAX_LENGTH
+        if self.backend == "triton_short":
+            return short_attention.short_attention if short else None
+        if self.backend == "triton_tiled":
+            return tiled_attention.tiled_attention
+        if self.backend == "auto":
+            if short_attention.applies(qkv, self.heads):
+                return short_attention.short_attention
+            if not short and tiled_attention.applies(qkv, self.heads):
+                return tiled_attention.tiled_attention
+        return None
 
 
 class Block(nn.Module):

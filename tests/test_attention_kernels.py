@@ -1,0 +1,171 @@
+"""Our attention kernels, the one-tile kernel (model.attention_backend=triton_short, at most 128 tokens) and the
+tiled one (triton_tiled, any length), against PyTorch's attention in float64, on the CPU through Triton's
+interpreter (tests/interpreter_harness.py says how). The GPU check is tests/gpu/test_attention_kernels_cuda.py."""
+
+import pytest
+import torch
+from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
+
+from src.models import short_attention as sa
+from src.models import tiled_attention as ta
+from src.models.transformer import Attention, Transformer, sdpa_attention, set_attention_backend
+
+pytest.importorskip("triton")
+
+# Largest error over the largest reference value. FlashAttention's rounding of P to 16 bits before P·V
+# (which PyTorch's CPU kernel skips) roughly doubles bf16 SDPA's own error (0.0023 and 0.0041 here).
+TOLERANCE = {torch.bfloat16: (1e-2, 1.5e-2), torch.float16: (2e-3, 3e-3)}
+KERNELS = {"triton_short": sa.short_attention, "triton_tiled": ta.tiled_attention}
+FORWARD_OPS = {"triton_short": "short_attention_forward", "triton_tiled": "tiled_attention_forward"}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the subprocess")
+def test_kernels_under_the_interpreter():
+    run_under_interpreter(__file__)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def test_tiles_cover_the_sequence_with_a_narrow_tail():
+    assert ta._tiles(257) == (4, 16)  # ViT-L/14, ViT-H/14: four tiles of 64 and one of 16 for the class token
+    assert ta._tiles(197) == (3, 16)  # ViT-B/16
+    assert ta._tiles(192) == (3, 0)  # whole tiles only
+    assert ta._tiles(100) == (1, 64)
+    assert ta._tiles(5) == (0, 16)
+    for length in range(1, 300):  # the statistics' rows hold the tail tile's padding
+        full, tail = ta._tiles(length)
+        assert length <= full * ta.BLOCK + tail <= ta._lse_rows(length)
+
+
+@interpreted
+@pytest.mark.parametrize(("backend", "batch", "length", "heads", "head_dim", "causal", "dtype"), [
+    ("triton_short", 3, 50, 3, 64, False, torch.bfloat16),  # ViT-B/32's image tower: 50 tokens in a tile of 64
+    ("triton_short", 2, 77, 2, 64, True, torch.bfloat16),  # a text tower: causal, 77 tokens in a tile of 128
+    ("triton_short", 1, 128, 2, 32, True, torch.bfloat16),  # a full tile
+    ("triton_short", 2, 20, 2, 80, False, torch.float16),  # a head size that is not a power of 2 (ViT-H's 80)
+    ("triton_short", 2, 1, 1, 16, False, torch.bfloat16),  # one token
+    ("triton_short", 1, 17, 4, 16, True, torch.float16),
+    ("triton_tiled", 1, 257, 2, 64, False, torch.bfloat16),  # ViT-L/14's image tower: a tail tile of 16 for one token
+    ("triton_tiled", 2, 130, 2, 80, False, torch.float16),
+    ("triton_tiled", 1, 192, 2, 32, True, torch.bfloat16),  # whole tiles only, causal
+    ("triton_tiled", 2, 100, 1, 16, True, torch.float16),  # a tail tile as wide as a full one
+    ("triton_tiled", 2, 40, 3, 32, False, torch.bfloat16),  # shorter than one tile: the tail only
+    ("triton_tiled", 1, 1, 1, 16, False, torch.bfloat16),
+])
+def test_forward_and_gradient_match_float64_attention(backend, batch, length, heads, head_dim, causal, dtype):
+    torch.manual_seed(length * heads + head_dim)
+    width = heads * head_dim
+    qkv = (torch.randn(batch, length, 3 * width) * 2).to(dtype).requires_grad_()
+    out = KERNELS[backend](qkv, heads, causal)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    qkv64 = qkv.detach().double().requires_grad_()
+    expected = sdpa_attention(qkv64, heads, causal)
+    expected.backward(grad_out.double())
+
+    assert out.dtype == dtype and qkv.grad.dtype == dtype
+    assert torch.isfinite(qkv.grad).all()
+    out_tolerance, grad_tolerance = TOLERANCE[dtype]
+    assert rel_error(out, expected) < out_tolerance
+    assert rel_error(qkv.grad, qkv64.grad) < grad_tolerance
+
+
+@interpreted
+@pytest.mark.parametrize("backend", KERNELS)
+def test_very_negative_scores_leave_no_nan(backend):
+    """Every score of a query far below zero: the padded keys of a tile must not turn exp2(0 - lse) into inf
+    and inf · 0 into NaN."""
+    torch.manual_seed(0)
+    heads, head_dim, length = 1, 16, 70
+    qkv = torch.randn(1, length, 3 * head_dim)
+    qkv[..., :head_dim] = 30.0  # every query
+    qkv[..., head_dim:2 * head_dim] = -30.0  # every key: scores of -30² · 16 / 4 = -3600
+    qkv = qkv.bfloat16().requires_grad_()
+    out = KERNELS[backend](qkv, heads)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
+
+
+@interpreted
+@pytest.mark.parametrize(("backend", "length"), [("triton_short", 40), ("triton_tiled", 140)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_module_with_our_kernel_matches_sdpa(backend, length, causal):
+    """The whole `Attention` under bf16 autocast, with the QKV projection's gradients: the kernel reads the
+    projection's output and writes its gradient in place of SDPA and the copies around it."""
+    torch.manual_seed(0)
+    modules = [Attention(64, 4) for _ in range(2)]
+    for parameter in modules[0].parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    modules[1].load_state_dict(modules[0].state_dict())
+    set_attention_backend(modules[1], backend)
+    x = torch.randn(2, length, 64)
+    results = []
+    for module in modules:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x, causal=causal)
+        out.float().square().sum().backward()
+        results.append((out.float(), {n: p.grad for n, p in module.named_parameters()}))
+    (sdpa_out, sdpa_grads), (ours_out, our_grads) = results
+    assert rel_error(ours_out, sdpa_out.double()) < 2e-2
+    for name, grad in sdpa_grads.items():
+        assert rel_error(our_grads[name], grad.double()) < 3e-2, name
+
+
+@interpreted
+def test_triton_short_keeps_sdpa_past_128_tokens():
+    """Past 128 tokens triton_short uses PyTorch's attention (the kernel holds a sequence in one tile)."""
+    torch.manual_seed(0)
+    tower = Transformer(32, 1, 2, 2.0, ls_init_value=None)
+    tower.init_weights()
+    set_attention_backend(tower, "triton_short")
+    x = torch.randn(1, 130, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = tower(x)
+    set_attention_backend(tower, "auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(ours, tower(x))
+    with pytest.raises(ValueError, match="cannot run here: it takes sequences of at most 128 tokens, got 130"):
+        sa.short_attention(torch.zeros(1, 130, 96, dtype=torch.bfloat16), 2)
+
+
+@interpreted
+@pytest.mark.parametrize("backend", KERNELS)
+def test_custom_ops_pass_torch_library_checks(backend):
+    qkv = torch.randn(2, 70, 3 * 32).bfloat16().requires_grad_()
+    torch.library.opcheck(getattr(torch.ops.stableclip, FORWARD_OPS[backend]).default, (qkv, 2, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@interpreted
+@pytest.mark.parametrize("backend", KERNELS)
+def test_compiles_with_dynamic_shapes(backend):
+    """Under torch.compile a recompiled block can get a symbolic sequence length; the fake implementations
+    must then not do tile arithmetic on it."""
+    kernel = KERNELS[backend]
+    qkv = torch.randn(2, 100, 3 * 32).bfloat16().requires_grad_()
+    compiled = torch.compile(lambda x: kernel(x, 2).float().square().sum(), backend="aot_eager", dynamic=True,
+                             fullgraph=True)
+    compiled(qkv).backward()
+    expected = qkv.detach().clone().requires_grad_()
+    kernel(expected, 2).float().square().sum().backward()
+    assert torch.equal(qkv.grad, expected.grad)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs CPU tensors")
+@pytest.mark.parametrize("backend", KERNELS)
+def test_cpu_tensors_fail_with_the_fix_and_auto_keeps_sdpa(backend):
+    qkv = torch.zeros(1, 100, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"model.attention_backend={backend} cannot run here: it needs a CUDA GPU, "
+                                         "but the model is on cpu; or use model.attention_backend=auto"):
+        KERNELS[backend](qkv, 2)
+    assert not sa.applies(qkv, 2) and not ta.applies(qkv, 2)
+
+
+@interpreted
+@pytest.mark.parametrize("backend", KERNELS)
+def test_float32_activations_fail_with_the_fix(backend):
+    with pytest.raises(ValueError, match="it needs bf16 or fp16 activations, got torch.float32"):
+        KERNELS[backend](torch.zeros(1, 100, 96), 2)
