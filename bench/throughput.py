@@ -7,12 +7,15 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
   (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`.
-It reports samples/s (median step time), the host's time to queue a step (`host_ms`: near `step_ms`, the
-step is bound by the CPU), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
-compilation does not hide any op) and their share of a bf16 matmul measured in the same run, and peak memory.
+It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`,
+the GPU sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on
+it, which a profile's timeline tells apart), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of
+the model, so compilation does not hide any op) and their share of a bf16 matmul measured in the same run,
+peak memory, and the caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU).
 `--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and
 batch and prints our rate over its rate. `--profile ROWS [--trace DIR]` prints the costliest kernels of three
-steps and writes their timeline. `--device cpu` makes it a smoke test.
+steps and writes their timeline (`bench/kernel_table.py` sums it per kernel). `--device cpu` makes it a smoke
+test.
 """
 
 from __future__ import annotations

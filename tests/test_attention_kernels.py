@@ -28,6 +28,14 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
 
 
+def test_heads_that_are_not_a_power_of_2_split_into_two_column_blocks():
+    assert ta._column_blocks(64) == (64, 0)
+    assert ta._column_blocks(80) == (64, 16)  # ViT-H/14: 80 columns computed, not 128
+    assert ta._column_blocks(96) == (64, 32)
+    assert ta._column_blocks(24) == (32, 0)  # 16 + 16 would cost as much
+    assert ta._column_blocks(112) == (128, 0)  # 64 + 64 likewise
+
+
 def test_tiles_cover_the_sequence_with_a_narrow_tail():
     assert ta._tiles(257) == (4, 16)  # ViT-L/14, ViT-H/14: four tiles of 64 and one of 16 for the class token
     assert ta._tiles(197) == (3, 16)  # ViT-B/16
@@ -48,7 +56,8 @@ def test_tiles_cover_the_sequence_with_a_narrow_tail():
     ("triton_short", 2, 1, 1, 16, False, torch.bfloat16),  # one token
     ("triton_short", 1, 17, 4, 16, True, torch.float16),
     ("triton_tiled", 1, 257, 2, 64, False, torch.bfloat16),  # ViT-L/14's image tower: a tail tile of 16 for one token
-    ("triton_tiled", 2, 130, 2, 80, False, torch.float16),
+    ("triton_tiled", 2, 130, 2, 80, False, torch.float16),  # ViT-H/14's heads: column blocks of 64 and 16
+    ("triton_tiled", 1, 150, 1, 96, True, torch.bfloat16),  # column blocks of 64 and 32
     ("triton_tiled", 1, 192, 2, 32, True, torch.bfloat16),  # whole tiles only, causal
     ("triton_tiled", 2, 100, 1, 16, True, torch.float16),  # a tail tile as wide as a full one
     ("triton_tiled", 2, 40, 3, 32, False, torch.bfloat16),  # shorter than one tile: the tail only

@@ -20,3 +20,23 @@ def test_throughput_bench_smoke_run(tmp_path):
     assert [row["end_to_end"] for row in rows] == [False, True]
     for row in rows:
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
+
+
+def test_kernel_table_sums_gpu_kernels_per_step_and_their_change(tmp_path):
+    """bench/kernel_table.py on two traces shaped like the profiler's: CPU events are left out, kernel
+    durations (µs) are summed per name over the three profiled steps."""
+    for name, attention_us in (("first", 3000), ("second", 1500)):
+        events = [{"ph": "X", "cat": "kernel", "name": "attention", "dur": attention_us},
+                  {"ph": "X", "cat": "kernel", "name": "gelu", "dur": 150},
+                  {"ph": "X", "cat": "kernel", "name": "gelu", "dur": 150},
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 10 ** 9}]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"traceEvents": events}))
+    result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "first.json"),
+                             str(tmp_path / "second.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("first.json: GPU busy 1.1 ms per step")
+    assert lines[1].split() == ["1.00", "attention"] and lines[2].split() == ["0.10", "gelu"]
+    assert "aten::mm" not in result.stdout
+    differences = lines[lines.index("largest differences, first minus second, ms per step") + 1:]
+    assert differences[0].split() == ["+0.50", "attention"]

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
     (short_attention, 64, 128, 4, 80, False),
     (short_attention, 64, 1, 2, 32, True),
     (tiled_attention, 16, 257, 16, 64, False),  # ViT-L/14 image tower
-    (tiled_attention, 16, 257, 16, 80, False),  # ViT-H/14 image tower
+    (tiled_attention, 16, 257, 16, 80, False),  # ViT-H/14 image tower: column blocks of 64 and 16
+    (tiled_attention, 16, 257, 8, 96, True),  # column blocks of 64 and 32
     (tiled_attention, 16, 197, 12, 64, False),  # ViT-B/16 image tower
     (tiled_attention, 8, 577, 16, 64, False),  # ViT-L/14 at 336 px
     (tiled_attention, 16, 200, 8, 64, True),
@@ -66,13 +67,13 @@ def test_auto_takes_our_kernels_where_they_apply_in_16_bits(monkeypatch):
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             tower(torch.randn(4, tokens, 128, device="cuda"), causal=True)
         assert calls == expected, (tokens, bf16)
-    # Heads of 80 features (ViT-H/14) keep cuDNN past 128 tokens: padded to 128, the kernel only matched it.
+    # Heads of 80 features (ViT-H/14's) too, as two column blocks.
     tower = Transformer(160, 1, 2, 4.0, ls_init_value=0.1).cuda()
     tower.init_weights()
     calls.clear()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         tower(torch.randn(4, 257, 160, device="cuda"))
-    assert calls == []
+    assert calls == ["tiled_attention"]
 
 
 @pytest.mark.parametrize(("backend", "tokens"), [("triton_short", 77), ("triton_tiled", 257)])
