@@ -193,7 +193,7 @@ if triton is not None:
         tl.store(lse + program.to(tl.int64) * lse_stride + queries, row_max + tl.log2(row_sum))
 
     @triton.jit
-    def _forward_kernel(
+    def _tiled_forward_kernel(
         qkv, out, lse, length, heads, head_dim, lse_stride, tiles, scale_log2,
         BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
@@ -261,7 +261,7 @@ if triton is not None:
         _store_head(grad_qkv + qkv_offset, dq0 * scale, dq1 * scale, queries, length, head_dim, stride, D0, D1)
 
     @triton.jit
-    def _grad_query_kernel(
+    def _tiled_grad_query_kernel(
         qkv, out, grad_out, lse, delta, grad_qkv, length, heads, head_dim, lse_stride, tiles, scale, scale_log2,
         BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
@@ -334,7 +334,7 @@ if triton is not None:
         _store_head(grad_base + 2 * width, dv0, dv1, keys, length, head_dim, stride, D0, D1)
 
     @triton.jit
-    def _grad_key_kernel(
+    def _tiled_grad_key_kernel(
         qkv, grad_out, lse, delta, grad_qkv, length, heads, head_dim, lse_stride, tiles, scale, scale_log2,
         BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
@@ -368,7 +368,7 @@ def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor,
     out = qkv.new_empty(batch, length, width)
     lse = torch.empty(batch * heads, _lse_rows(length), device=qkv.device, dtype=torch.float32)
     scale = head_dim ** -0.5
-    _forward_kernel[(batch * heads * config["tiles"],)](
+    _tiled_forward_kernel[(batch * heads * config["tiles"],)](
         qkv, out, lse, length, heads, head_dim, lse.shape[1], config["tiles"], scale * math.log2(math.e),
         CAUSAL=causal, **config["meta"],
     )
@@ -393,11 +393,11 @@ def _backward(
     scale = head_dim ** -0.5
     grid = (batch * heads * config["tiles"],)
     # dQ first: it also writes rowsum(dO ∘ O), which the dK, dV programs read for every query tile.
-    _grad_query_kernel[grid](
+    _tiled_grad_query_kernel[grid](
         qkv, out, grad_out, lse, delta, grad_qkv, length, heads, head_dim, lse.shape[1], config["tiles"],
         scale, scale * math.log2(math.e), CAUSAL=causal, **config["meta"],
     )
-    _grad_key_kernel[grid](
+    _tiled_grad_key_kernel[grid](
         qkv, grad_out, lse, delta, grad_qkv, length, heads, head_dim, lse.shape[1], config["tiles"],
         scale, scale * math.log2(math.e), CAUSAL=causal, **config["meta"],
     )
