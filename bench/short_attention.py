@@ -3,10 +3,10 @@ gradient: PyTorch's SDPA (its own kernel choice, cuDNN on an H200; plus the view
 assembles dQ, dK, dV into one tensor) against our kernels (`model.attention_backend=triton_short` up to 128
 tokens, `triton_tiled` beyond), bf16, same run, taking turns.
 
-    python bench/short_attention.py [--iters 20] [--rounds 5] [--tiled-configs 64,4,3 128,8,2] [--shapes "image tower"]
+    python bench/short_attention.py [--iters 20] [--rounds 5] [--tiled-configs 64,4,3 64,4,3,32] [--shapes "L/14"]
 
---tiled-configs also times the tiled kernel with other (tile rows, warps, pipelining stages) than
-tiled_attention.py's BLOCK, WARPS, STAGES, in the same rounds.
+--tiled-configs also times the tiled kernel with other (tile rows, warps, pipelining stages[, rows per loop step])
+than tiled_attention.py's BLOCK, WARPS, STAGES, STEP, in the same rounds.
 """
 
 from __future__ import annotations
@@ -38,20 +38,27 @@ SHAPES = [
 ]
 
 
-def with_settings(step, settings: tuple[int, int, int]):
-    """`step` (forward, and backward where it has one) with tiled_attention's (BLOCK, WARPS, STAGES) set to
-    `settings`."""
+SETTINGS = ("BLOCK", "WARPS", "STAGES", "STEP")
+
+
+def with_settings(step, settings: tuple[int, ...]):
+    """`step` (forward, and backward where it has one) with tiled_attention's (BLOCK, WARPS, STAGES[, STEP]) set
+    to `settings` (STEP: None where not given)."""
+    values = dict(zip(SETTINGS, settings), STEP=settings[3] if len(settings) > 3 else None)
+
     def run():
-        saved = tiled_attention.BLOCK, tiled_attention.WARPS, tiled_attention.STAGES
-        tiled_attention.BLOCK, tiled_attention.WARPS, tiled_attention.STAGES = settings
+        saved = {name: getattr(tiled_attention, name) for name in SETTINGS}
+        for name, value in values.items():
+            setattr(tiled_attention, name, value)
         try:
             step()
         finally:
-            tiled_attention.BLOCK, tiled_attention.WARPS, tiled_attention.STAGES = saved
+            for name, value in saved.items():
+                setattr(tiled_attention, name, value)
     return run
 
 
-def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple[int, int, int]]) -> dict:
+def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple[int, ...]]) -> dict:
     ours = short_attention if qkv.shape[1] <= MAX_LENGTH else tiled_attention.tiled_attention
     grad_out = torch.randn(*qkv.shape[:2], qkv.shape[2] // 3, device=qkv.device, dtype=qkv.dtype)
 
@@ -70,7 +77,7 @@ def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple
              "sdpa_fwd": forward(sdpa_attention), "ours_fwd": forward(ours)}
     if ours is not short_attention:
         for settings in tiled_configs:
-            name = "tiled_{}_{}_{}".format(*settings)
+            name = "tiled_" + "_".join(map(str, settings))
             step = with_settings(forward_backward(ours), settings)
             try:
                 step()
@@ -86,8 +93,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tiled-configs", nargs="*", default=[], metavar="BLOCK,WARPS,STAGES",
-                        help="other launch settings of the tiled kernel to time, e.g. 128,8,2")
+    parser.add_argument("--tiled-configs", nargs="*", default=[], metavar="BLOCK,WARPS,STAGES[,STEP]",
+                        help="other launch settings of the tiled kernel to time, e.g. 128,8,2 or 64,4,3,32")
     parser.add_argument("--shapes", nargs="*", default=[], help="only the shapes whose name contains one of these")
     args = parser.parse_args()
     tiled_configs = [tuple(int(v) for v in config.split(",")) for config in args.tiled_configs]

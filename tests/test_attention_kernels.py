@@ -83,6 +83,32 @@ def test_forward_and_gradient_match_float64_attention(backend, batch, length, he
 
 
 @interpreted
+@pytest.mark.parametrize(("block", "step"), [(64, 32), (128, 16), (32, 16)])
+@pytest.mark.parametrize(("length", "head_dim", "causal"), [(257, 80, False), (100, 32, True), (65, 16, False)])
+def test_tiled_launch_settings_keep_the_result(monkeypatch, block, step, length, head_dim, causal):
+    """Other tile sizes and loop steps (what bench/short_attention.py --tiled-configs sweeps) compute the same
+    attention: the tails of both, and causal tile skipping, line up."""
+    monkeypatch.setattr(ta, "BLOCK", block)
+    monkeypatch.setattr(ta, "STEP", step)
+    torch.manual_seed(length)
+    qkv = (torch.randn(1, length, 3 * 2 * head_dim) * 2).bfloat16().requires_grad_()
+    out = ta.tiled_attention(qkv, 2, causal)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    qkv64 = qkv.detach().double().requires_grad_()
+    expected = sdpa_attention(qkv64, 2, causal)
+    expected.backward(grad_out.double())
+    assert rel_error(out, expected) < TOLERANCE[torch.bfloat16][0]
+    assert rel_error(qkv.grad, qkv64.grad) < TOLERANCE[torch.bfloat16][1]
+
+
+def test_a_step_that_does_not_divide_the_tile_fails_with_the_fix(monkeypatch):
+    monkeypatch.setattr(ta, "STEP", 48)
+    with pytest.raises(ValueError, match="tiled_attention.STEP=48 must be a power of 2 of at least 16 that divides"):
+        ta._launch_config(257, 64)
+
+
+@interpreted
 @pytest.mark.parametrize("backend", KERNELS)
 def test_very_negative_scores_leave_no_nan(backend):
     """Every score of a query far below zero: the padded keys of a tile must not turn exp2(0 - lse) into inf

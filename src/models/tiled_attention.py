@@ -15,7 +15,8 @@ its matmuls do not pad it to 128.
 The arithmetic is FlashAttention-2's: forward with an online softmax over key tiles (fp32 scores, probabilities
 rounded to 16 bits before they multiply V), saving each query's log-sum-exp; backward recomputes the
 probabilities tile by tile, one program per query tile for dQ (it also writes rowsum(dO ∘ O)) and one per key
-tile for dK and dV, so no program adds into another's output. `model.attention_backend=triton_tiled` asks for it
+tile for dK and dV, so no program adds into another's output. For causal attention, the loops skip the tiles a
+program's queries cannot see. `model.attention_backend=triton_tiled` asks for it
 at any length; `auto` takes it from 129 up to AUTO_MAX_LENGTH tokens (on an H200 it made ViT-L/14's compiled step
 1.02x faster and matched cuDNN on ViT-H/14's).
 """
@@ -36,11 +37,13 @@ try:
 except ImportError:
     triton = None
 
-# Launch settings (bench/short_attention.py --tiled-configs measures others): rows of a full tile, of queries and
-# of keys alike; warps per program; software-pipelining stages of the loops over tiles (None: 3 for heads of up
-# to 64 features, 2 for larger ones, whose 3 stages ran 1.35x slower on an H200, measured with ViT-H/14's heads
-# padded to 128 columns).
+# Launch settings (bench/short_attention.py --tiled-configs measures others): rows of each program's tile (its
+# queries, or for dK and dV its keys); rows of the other side taken per loop step (None: BLOCK; a divisor of it,
+# at least 16); warps per program; software-pipelining stages of the loops (None: 3 for heads of up to 64
+# features, 2 for larger ones, whose 3 stages ran 1.35x slower on an H200, measured with ViT-H/14's heads padded
+# to 128 columns).
 BLOCK = 64
+STEP = None
 WARPS = 4
 STAGES = None
 AUTO_MAX_LENGTH = 320  # the longest sequence `auto` gives this kernel (measured at 197 and 257 tokens)
@@ -62,9 +65,9 @@ def _power_of_2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _tiles(length: int) -> tuple[int, int]:
-    """(full tiles, rows of the tail tile or 0 where there is none)."""
-    full, rest = divmod(length, BLOCK)
+def _tiles(length: int, block: int | None = None) -> tuple[int, int]:
+    """(full tiles of `block` rows (BLOCK by default), rows of the tail tile or 0 where there is none)."""
+    full, rest = divmod(length, block or BLOCK)
     return full, _power_of_2(rest) if rest else 0
 
 
@@ -145,6 +148,16 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _key_end(full_keys, start, ROWS: tl.constexpr, CAUSAL: tl.constexpr):
+        """Where the loop over whole key tiles stops for the queries start .. start + ROWS - 1: for causal
+        attention, after the tile holding the last of them, since no query sees a later key. (The tail key tile
+        is always visited: for all but the last query tile it is fully masked, a waste of at most one tail.)"""
+        end = full_keys
+        if CAUSAL:
+            end = tl.minimum(full_keys, start + ROWS)
+        return end
+
+    @triton.jit
     def _forward_tile(
         q0, q1, row_max, row_sum, acc0, acc1, k_base, v_base, queries, start, length, head_dim, stride, scale_log2,
         COLS: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
@@ -166,7 +179,7 @@ if triton is not None:
     @triton.jit
     def _forward_rows(
         qkv, out, lse, program, start, length, heads, head_dim, lse_stride, scale_log2,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+        ROWS: tl.constexpr, STEP: tl.constexpr, STEP_TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
         sample, head = program // heads, program % heads
@@ -178,15 +191,15 @@ if triton is not None:
         row_max = tl.full([ROWS], float("-inf"), tl.float32)
         row_sum = tl.zeros([ROWS], tl.float32)
         acc0, acc1 = _zeros_head(ROWS, D0, D1)
-        full_keys = length // BLOCK * BLOCK
-        for key_start in range(0, full_keys, BLOCK):
+        full_keys = length // STEP * STEP
+        for key_start in range(0, _key_end(full_keys, start, ROWS, CAUSAL), STEP):
             row_max, row_sum, acc0, acc1 = _forward_tile(
                 q0, q1, row_max, row_sum, acc0, acc1, base + width, base + 2 * width, queries, key_start, length,
-                head_dim, stride, scale_log2, COLS=BLOCK, MASK_KEYS=False, CAUSAL=CAUSAL, D0=D0, D1=D1)
-        if TAIL > 0:
+                head_dim, stride, scale_log2, COLS=STEP, MASK_KEYS=False, CAUSAL=CAUSAL, D0=D0, D1=D1)
+        if STEP_TAIL > 0:
             row_max, row_sum, acc0, acc1 = _forward_tile(
                 q0, q1, row_max, row_sum, acc0, acc1, base + width, base + 2 * width, queries, full_keys, length,
-                head_dim, stride, scale_log2, COLS=TAIL, MASK_KEYS=True, CAUSAL=CAUSAL, D0=D0, D1=D1)
+                head_dim, stride, scale_log2, COLS=STEP_TAIL, MASK_KEYS=True, CAUSAL=CAUSAL, D0=D0, D1=D1)
         out_base = out + sample.to(tl.int64) * length * width + head * head_dim
         _store_head(out_base, acc0 / row_sum[:, None], acc1 / row_sum[:, None], queries, length, head_dim, width,
                     D0, D1)
@@ -195,18 +208,19 @@ if triton is not None:
     @triton.jit
     def _tiled_forward_kernel(
         qkv, out, lse, length, heads, head_dim, lse_stride, tiles, scale_log2,
-        BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK: tl.constexpr, TAIL: tl.constexpr, STEP: tl.constexpr, STEP_TAIL: tl.constexpr, D0: tl.constexpr,
+        D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         # One program per (sample, head, query tile), the tiles of one head next to each other so that its
         # keys and values stay in L2 between them.
         program, tile = tl.program_id(0) // tiles, tl.program_id(0) % tiles
         if tile < length // BLOCK:
             _forward_rows(qkv, out, lse, program, tile * BLOCK, length, heads, head_dim, lse_stride, scale_log2,
-                          ROWS=BLOCK, BLOCK=BLOCK, TAIL=TAIL, D0=D0, D1=D1, CAUSAL=CAUSAL)
+                          ROWS=BLOCK, STEP=STEP, STEP_TAIL=STEP_TAIL, D0=D0, D1=D1, CAUSAL=CAUSAL)
         else:
             if TAIL > 0:
                 _forward_rows(qkv, out, lse, program, tile * BLOCK, length, heads, head_dim, lse_stride,
-                              scale_log2, ROWS=TAIL, BLOCK=BLOCK, TAIL=TAIL, D0=D0, D1=D1, CAUSAL=CAUSAL)
+                              scale_log2, ROWS=TAIL, STEP=STEP, STEP_TAIL=STEP_TAIL, D0=D0, D1=D1, CAUSAL=CAUSAL)
 
     @triton.jit
     def _grad_query_tile(
@@ -230,7 +244,7 @@ if triton is not None:
     @triton.jit
     def _grad_query_rows(
         qkv, out, grad_out, lse, delta, grad_qkv, program, start, length, heads, head_dim, lse_stride, scale,
-        scale_log2, ROWS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr,
+        scale_log2, ROWS: tl.constexpr, STEP: tl.constexpr, STEP_TAIL: tl.constexpr, D0: tl.constexpr,
         D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         sample, head = program // heads, program % heads
@@ -249,32 +263,33 @@ if triton is not None:
         tl.store(delta + program.to(tl.int64) * lse_stride + queries, row_delta)
         row_lse = tl.load(lse + program.to(tl.int64) * lse_stride + queries)
         dq0, dq1 = _zeros_head(ROWS, D0, D1)
-        full_keys = length // BLOCK * BLOCK
-        for key_start in range(0, full_keys, BLOCK):
+        full_keys = length // STEP * STEP
+        for key_start in range(0, _key_end(full_keys, start, ROWS, CAUSAL), STEP):
             dq0, dq1 = _grad_query_tile(
                 dq0, dq1, q0, q1, do0, do1, row_lse, row_delta, base + width, base + 2 * width, queries, key_start,
-                length, head_dim, stride, scale_log2, COLS=BLOCK, MASK_KEYS=False, CAUSAL=CAUSAL, D0=D0, D1=D1)
-        if TAIL > 0:
+                length, head_dim, stride, scale_log2, COLS=STEP, MASK_KEYS=False, CAUSAL=CAUSAL, D0=D0, D1=D1)
+        if STEP_TAIL > 0:
             dq0, dq1 = _grad_query_tile(
                 dq0, dq1, q0, q1, do0, do1, row_lse, row_delta, base + width, base + 2 * width, queries, full_keys,
-                length, head_dim, stride, scale_log2, COLS=TAIL, MASK_KEYS=True, CAUSAL=CAUSAL, D0=D0, D1=D1)
+                length, head_dim, stride, scale_log2, COLS=STEP_TAIL, MASK_KEYS=True, CAUSAL=CAUSAL, D0=D0, D1=D1)
         _store_head(grad_qkv + qkv_offset, dq0 * scale, dq1 * scale, queries, length, head_dim, stride, D0, D1)
 
     @triton.jit
     def _tiled_grad_query_kernel(
         qkv, out, grad_out, lse, delta, grad_qkv, length, heads, head_dim, lse_stride, tiles, scale, scale_log2,
-        BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK: tl.constexpr, TAIL: tl.constexpr, STEP: tl.constexpr, STEP_TAIL: tl.constexpr, D0: tl.constexpr,
+        D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         program, tile = tl.program_id(0) // tiles, tl.program_id(0) % tiles
         if tile < length // BLOCK:
             _grad_query_rows(qkv, out, grad_out, lse, delta, grad_qkv, program, tile * BLOCK, length, heads,
-                             head_dim, lse_stride, scale, scale_log2, ROWS=BLOCK, BLOCK=BLOCK, TAIL=TAIL, D0=D0,
-                             D1=D1, CAUSAL=CAUSAL)
+                             head_dim, lse_stride, scale, scale_log2, ROWS=BLOCK, STEP=STEP, STEP_TAIL=STEP_TAIL,
+                             D0=D0, D1=D1, CAUSAL=CAUSAL)
         else:
             if TAIL > 0:
                 _grad_query_rows(qkv, out, grad_out, lse, delta, grad_qkv, program, tile * BLOCK, length, heads,
-                                 head_dim, lse_stride, scale, scale_log2, ROWS=TAIL, BLOCK=BLOCK, TAIL=TAIL, D0=D0,
-                                 D1=D1, CAUSAL=CAUSAL)
+                                 head_dim, lse_stride, scale, scale_log2, ROWS=TAIL, STEP=STEP, STEP_TAIL=STEP_TAIL,
+                                 D0=D0, D1=D1, CAUSAL=CAUSAL)
 
     @triton.jit
     def _grad_key_tile(
@@ -305,7 +320,7 @@ if triton is not None:
     @triton.jit
     def _grad_key_rows(
         qkv, grad_out, lse, delta, grad_qkv, program, start, length, heads, head_dim, lse_stride, scale, scale_log2,
-        COLS: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+        COLS: tl.constexpr, STEP: tl.constexpr, STEP_TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
         sample, head = program // heads, program % heads
@@ -320,15 +335,18 @@ if triton is not None:
         v0, v1 = _load_head(base + 2 * width, keys, length, head_dim, stride, D0, D1)
         dk0, dk1 = _zeros_head(COLS, D0, D1)
         dv0, dv1 = _zeros_head(COLS, D0, D1)
-        full_queries = length // BLOCK * BLOCK
-        for query_start in range(0, full_queries, BLOCK):
+        full_queries = length // STEP * STEP
+        query_begin = 0
+        if CAUSAL:  # queries before this key tile see none of its keys
+            query_begin = start
+        for query_start in range(query_begin, full_queries, STEP):
             dk0, dk1, dv0, dv1 = _grad_key_tile(
                 dk0, dk1, dv0, dv1, k0, k1, v0, v1, base, do_base, lse_base, delta_base, keys, query_start, length,
-                head_dim, stride, width, scale_log2, ROWS=BLOCK, CAUSAL=CAUSAL, D0=D0, D1=D1)
-        if TAIL > 0:
+                head_dim, stride, width, scale_log2, ROWS=STEP, CAUSAL=CAUSAL, D0=D0, D1=D1)
+        if STEP_TAIL > 0:
             dk0, dk1, dv0, dv1 = _grad_key_tile(
                 dk0, dk1, dv0, dv1, k0, k1, v0, v1, base, do_base, lse_base, delta_base, keys, full_queries, length,
-                head_dim, stride, width, scale_log2, ROWS=TAIL, CAUSAL=CAUSAL, D0=D0, D1=D1)
+                head_dim, stride, width, scale_log2, ROWS=STEP_TAIL, CAUSAL=CAUSAL, D0=D0, D1=D1)
         grad_base = grad_qkv + qkv_offset
         _store_head(grad_base + width, dk0 * scale, dk1 * scale, keys, length, head_dim, stride, D0, D1)
         _store_head(grad_base + 2 * width, dv0, dv1, keys, length, head_dim, stride, D0, D1)
@@ -336,27 +354,32 @@ if triton is not None:
     @triton.jit
     def _tiled_grad_key_kernel(
         qkv, grad_out, lse, delta, grad_qkv, length, heads, head_dim, lse_stride, tiles, scale, scale_log2,
-        BLOCK: tl.constexpr, TAIL: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK: tl.constexpr, TAIL: tl.constexpr, STEP: tl.constexpr, STEP_TAIL: tl.constexpr, D0: tl.constexpr,
+        D1: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         program, tile = tl.program_id(0) // tiles, tl.program_id(0) % tiles
         if tile < length // BLOCK:
             _grad_key_rows(qkv, grad_out, lse, delta, grad_qkv, program, tile * BLOCK, length, heads, head_dim,
-                           lse_stride, scale, scale_log2, COLS=BLOCK, BLOCK=BLOCK, TAIL=TAIL, D0=D0, D1=D1,
+                           lse_stride, scale, scale_log2, COLS=BLOCK, STEP=STEP, STEP_TAIL=STEP_TAIL, D0=D0, D1=D1,
                            CAUSAL=CAUSAL)
         else:
             if TAIL > 0:
                 _grad_key_rows(qkv, grad_out, lse, delta, grad_qkv, program, tile * BLOCK, length, heads,
-                               head_dim, lse_stride, scale, scale_log2, COLS=TAIL, BLOCK=BLOCK, TAIL=TAIL, D0=D0,
-                               D1=D1, CAUSAL=CAUSAL)
+                               head_dim, lse_stride, scale, scale_log2, COLS=TAIL, STEP=STEP, STEP_TAIL=STEP_TAIL,
+                               D0=D0, D1=D1, CAUSAL=CAUSAL)
 
 
 def _launch_config(length: int, head_dim: int) -> dict:
     """The kernels' shared launch arguments: tiles per head and the compile-time settings."""
+    step = STEP or BLOCK
+    if BLOCK % step or step < 16 or step != _power_of_2(step):
+        raise ValueError(f"tiled_attention.STEP={step} must be a power of 2 of at least 16 that divides BLOCK={BLOCK}")
     full, tail = _tiles(length)
     d0, d1 = _column_blocks(head_dim)
     stages = STAGES or (3 if d0 + d1 <= 64 else 2)
     return {"tiles": full + (tail > 0), "meta": {
-        "BLOCK": BLOCK, "TAIL": tail, "D0": d0, "D1": d1, "num_warps": WARPS, "num_stages": stages}}
+        "BLOCK": BLOCK, "TAIL": tail, "STEP": step, "STEP_TAIL": _tiles(length, step)[1], "D0": d0, "D1": d1,
+        "num_warps": WARPS, "num_stages": stages}}
 
 
 @torch.library.custom_op("stableclip::tiled_attention_forward", mutates_args=())
