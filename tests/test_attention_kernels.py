@@ -2,9 +2,13 @@
 tiled one (triton_tiled, any length), against PyTorch's attention in float64, on the CPU through Triton's
 interpreter (tests/interpreter_harness.py says how). The GPU check is tests/gpu/test_attention_kernels_cuda.py."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
+from interpreter_harness import INTERPRETED, ROOT, interpreted, run_under_interpreter
 
 from src.models import short_attention as sa
 from src.models import tiled_attention as ta
@@ -204,3 +208,16 @@ def test_cpu_tensors_fail_with_the_fix_and_auto_keeps_sdpa(backend):
 def test_float32_activations_fail_with_the_fix(backend):
     with pytest.raises(ValueError, match="it needs bf16 or fp16 activations, got torch.float32"):
         KERNELS[backend](torch.zeros(1, 100, 96), 2)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for the GPU, which the interpreter replaces")
+def test_kernel_resources_compile_for_sm90_without_a_gpu():
+    """bench/kernel_resources.py compiles the tiled kernels for an H100/H200 on this CPU and reports their
+    registers, spills and shared memory."""
+    result = subprocess.run([sys.executable, "bench/kernel_resources.py", "--configs", "64,4,0", "--head-dims", "80"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["kernel"] for row in rows] == ["forward", "grad_query", "grad_key"]
+    for row in rows:
+        assert 0 < row["registers"] <= 255 and row["spill_stack_bytes"] >= 0 and row["shared_bytes"] > 0
