@@ -5,8 +5,9 @@ tokens, `triton_tiled` beyond), bf16, same run, taking turns.
 
     python bench/short_attention.py [--iters 20] [--rounds 5] [--tiled-configs 64,4,3 64,4,3,32] [--shapes "L/14"]
 
---tiled-configs also times the tiled kernel with other (tile rows, warps, pipelining stages[, rows per loop step])
-than tiled_attention.py's BLOCK, WARPS, STAGES, STEP, in the same rounds.
+--tiled-configs also times the tiled kernel, at every shape (the text towers' too, causal tiles skipped), with
+the given (tile rows, warps, pipelining stages[, rows per loop step]) in place of tiled_attention.py's BLOCK,
+WARPS, STAGES, STEP, in the same rounds.
 """
 
 from __future__ import annotations
@@ -75,17 +76,16 @@ def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple
 
     timed = {"sdpa_fwd_bwd": forward_backward(sdpa_attention), "ours_fwd_bwd": forward_backward(ours),
              "sdpa_fwd": forward(sdpa_attention), "ours_fwd": forward(ours)}
-    if ours is not short_attention:
-        for settings in tiled_configs:
-            name = "tiled_" + "_".join(map(str, settings))
-            step = with_settings(forward_backward(ours), settings)
-            try:
-                step()
-            except triton.runtime.errors.OutOfResources as error:  # e.g. too many stages of large tiles
-                print(json.dumps({"skipped": name, "shape": list(qkv.shape), "why": str(error)}))
-                continue
-            timed[name + "_fwd_bwd"] = step
-            timed[name + "_fwd"] = with_settings(forward(ours), settings)
+    for settings in tiled_configs:  # at every length: the tiled kernel also runs sequences the one-tile one takes
+        name = "tiled_" + "_".join(map(str, settings))
+        step = with_settings(forward_backward(tiled_attention.tiled_attention), settings)
+        try:
+            step()
+        except triton.runtime.errors.OutOfResources as error:  # e.g. too many stages of large tiles
+            print(json.dumps({"skipped": name, "shape": list(qkv.shape), "why": str(error)}))
+            continue
+        timed[name + "_fwd_bwd"] = step
+        timed[name + "_fwd"] = with_settings(forward(tiled_attention.tiled_attention), settings)
     return timed
 
 
