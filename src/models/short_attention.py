@@ -62,15 +62,15 @@ def applies(qkv: torch.Tensor, heads: int) -> bool:
     return qkv.device.type == "cuda" and unsupported_reason(qkv, heads) is None
 
 
-def _tile_rows(length: int) -> int:
-    """The one tile's rows: the sequence padded to a power of 2 (at least 16, the smallest tensor-core tile)."""
-    return max(16, 1 << (length - 1).bit_length())
+def power_of_2(n: int) -> int:
+    """n rounded up to a power of 2, at least 16 (the smallest tensor-core tile)."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def _launch_config(length: int, head_dim: int) -> tuple[int, int, int]:
-    """(tile rows, the head size padded to a power of 2, warps)."""
-    block = _tile_rows(length)
-    return block, _tile_rows(head_dim), 4 if block <= 64 else 8
+    """(the one tile's rows: the sequence padded to a power of 2, the head size padded likewise, warps)."""
+    block = power_of_2(length)
+    return block, power_of_2(head_dim), 4 if block <= 64 else 8
 
 
 if triton is not None:

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from src.models.short_attention import _shape, kernel_unsupported_reason, register_autograd, run_checked
+from src.models.short_attention import _shape, kernel_unsupported_reason, power_of_2, register_autograd, run_checked
 
 try:
     import triton
@@ -49,36 +49,27 @@ STAGES = None
 AUTO_MAX_LENGTH = 320  # the longest sequence `auto` gives this kernel (measured at 197 and 257 tokens)
 
 
-def unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
-    """Why the kernel cannot run on `qkv` (with the fix), or None where it can."""
-    return kernel_unsupported_reason(qkv, heads)
-
-
 def applies(qkv: torch.Tensor, heads: int) -> bool:
     """Whether `model.attention_backend=auto` takes the kernel for `qkv`: on a GPU (not the interpreter), in
     16 bits, up to AUTO_MAX_LENGTH tokens."""
-    return qkv.device.type == "cuda" and qkv.shape[1] <= AUTO_MAX_LENGTH and unsupported_reason(qkv, heads) is None
-
-
-def _power_of_2(n: int) -> int:
-    """n rounded up to a power of 2, at least 16 (the smallest tensor-core tile)."""
-    return max(16, 1 << (n - 1).bit_length())
+    return (qkv.device.type == "cuda" and qkv.shape[1] <= AUTO_MAX_LENGTH
+            and kernel_unsupported_reason(qkv, heads) is None)
 
 
 def _tiles(length: int, block: int | None = None) -> tuple[int, int]:
     """(full tiles of `block` rows (BLOCK by default), rows of the tail tile or 0 where there is none)."""
     full, rest = divmod(length, block or BLOCK)
-    return full, _power_of_2(rest) if rest else 0
+    return full, power_of_2(rest) if rest else 0
 
 
 def _column_blocks(head_dim: int) -> tuple[int, int]:
     """(D0, D1): a head's features as a power-of-2 block and a padded rest (0 where the head is a power of 2),
     where that pads less than rounding the whole head up: 80 -> (64, 16), 96 -> (64, 32), 64 -> (64, 0)."""
-    whole = _power_of_2(head_dim)
+    whole = power_of_2(head_dim)
     if whole == head_dim or head_dim <= 16:
         return whole, 0
     first = whole // 2
-    rest = _power_of_2(head_dim - first)
+    rest = power_of_2(head_dim - first)
     return (first, rest) if first + rest < whole else (whole, 0)
 
 
@@ -372,7 +363,7 @@ if triton is not None:
 def _launch_config(length: int, head_dim: int) -> dict:
     """The kernels' shared launch arguments: tiles per head and the compile-time settings."""
     step = STEP or BLOCK
-    if BLOCK % step or step < 16 or step != _power_of_2(step):
+    if BLOCK % step or step < 16 or step != power_of_2(step):
         raise ValueError(f"tiled_attention.STEP={step} must be a power of 2 of at least 16 that divides BLOCK={BLOCK}")
     full, tail = _tiles(length)
     d0, d1 = _column_blocks(head_dim)
@@ -439,4 +430,4 @@ def tiled_attention(qkv: torch.Tensor, heads: int, causal: bool = False) -> torc
     """Multi-head self-attention of qkv [B, L, 3·W] (Q, K, V side by side, each head's D = W / heads features
     contiguous, as `Attention`'s fused projection writes them), any L: the output [B, L, W], equal to
     `F.scaled_dot_product_attention` over the heads up to 16-bit rounding."""
-    return run_checked(_forward, "triton_tiled", unsupported_reason(qkv, heads), qkv, heads, causal)
+    return run_checked(_forward, "triton_tiled", kernel_unsupported_reason(qkv, heads), qkv, heads, causal)
