@@ -1,7 +1,8 @@
 """GPU time per step by kernel name, from the Chrome traces `bench/throughput.py --profile N --trace DIR` writes
-(three profiled steps each); with two traces, also the kernels whose time changed most between them.
+(three profiled steps each); with two traces, also the kernels whose time changed most between them; with
+`--groups`, the time per kind of kernel (matmul, attention, Inductor's fused kernels, optimizer, copies).
 
-    python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22]
+    python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups]
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 
 PROFILED_STEPS = 3  # bench/throughput.py's print_profile runs three steps
 
@@ -22,10 +24,37 @@ def kernel_ms_per_step(path: str) -> collections.Counter:
     return table
 
 
+# First match wins; names as CUDA, cuBLAS, cuDNN, Inductor and our Triton kernels call themselves.
+KERNEL_GROUPS = (
+    ("attention", re.compile(r"attention|_forward_kernel|_backward_kernel|_grad_query_kernel|_grad_key_kernel|sdpa"
+                             r"|flash|fmha")),
+    ("SwitchBack quantization", re.compile(r"quantize|absmax")),
+    ("Inductor reductions (LayerNorm, sums)", re.compile(r"^triton_(red|per)_")),
+    ("Inductor element-wise (GELU, residual, casts)", re.compile(r"^triton_poi_")),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|^triton_tem_", re.IGNORECASE)),
+    ("optimizer and RMS (multi-tensor)", re.compile(r"multi_tensor|foreach|fused_adam|adam", re.IGNORECASE)),
+    ("copies and fills", re.compile(r"copy|memcpy|memset|fill|cat", re.IGNORECASE)),
+)
+
+
+def kernel_group(name: str) -> str:
+    return next((group for group, pattern in KERNEL_GROUPS if pattern.search(name)), "other")
+
+
+def print_groups(table: collections.Counter) -> None:
+    groups = collections.Counter()
+    for name, ms in table.items():
+        groups[kernel_group(name)] += ms
+    total = sum(groups.values())
+    for group, ms in groups.most_common():
+        print(f"  {ms:7.1f} ms {ms / total:6.1%}  {group}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="one or two trace files")
     parser.add_argument("--rows", type=int, default=22)
+    parser.add_argument("--groups", action="store_true", help="also print the time per kind of kernel")
     args = parser.parse_args()
     if len(args.traces) > 2:
         parser.error(f"give one or two traces, got {len(args.traces)}")
@@ -34,6 +63,8 @@ def main() -> int:
         print(f"{path}: GPU busy {sum(table.values()):.1f} ms per step")
         for name, ms in table.most_common(args.rows):
             print(f"  {ms:7.2f} {name}")
+        if args.groups:
+            print_groups(table)
     if len(tables) == 2:
         first, second = tables
         change = {name: first[name] - second[name] for name in set(first) | set(second)}
