@@ -1,5 +1,11 @@
 """Compiled blocks train like eager ones (run on the device: `python -m pytest -q --noconftest tests/gpu`): the
-loss over the first 50 steps of a fixed-seed ViT-B/32 run matches the eager path within bf16 tolerance."""
+loss over the first 50 steps of a fixed-seed ViT-B/32 run matches the eager path within bf16 tolerance.
+
+What "within bf16 tolerance" means is measured in the same test: a third, eager run starts from weights moved by
+one bf16 rounding step (a relative 2⁻⁸ up or down), and the compiled run may differ from the eager one by at most
+twice what that run does. A fixed 3% per step failed in session 8 (4.4% at step 17 of 50, both runs ending
+within 0.2%): on the steep part of the curve, rounding differences grow for a while before the runs meet
+again, by an amount no fixed tolerance captures."""
 
 import pytest
 import torch
@@ -28,8 +34,9 @@ class LearnableBatchTrainer(ComputeOnlyTrainer):
         return OnDeviceBatches({"images": images.to(self.device), "tokens": tokens.to(self.device)})
 
 
-def losses(tmp_path, model: str, device: str, compile_: bool, steps: int = 50) -> torch.Tensor:
-    run_dir = tmp_path / f"compile_{compile_}"
+def losses(tmp_path, model: str, device: str, compile_: bool, steps: int = 50, nudge_weights: bool = False
+           ) -> torch.Tensor:
+    run_dir = tmp_path / f"compile_{compile_}_nudged_{nudge_weights}"
     run_dir.mkdir()
     cfg = compose_config([
         f"model={model}", "precision=bf16", "optim=adamw", "logger=none", "data=synthetic_shapes",
@@ -41,6 +48,12 @@ def losses(tmp_path, model: str, device: str, compile_: bool, steps: int = 50) -
     ])
     torch.manual_seed(0)
     trainer = LearnableBatchTrainer(cfg, str(run_dir), DistInfo(0, 1, 0, torch.device(device)))
+    if nudge_weights:
+        with torch.no_grad():
+            generator = torch.Generator(device).manual_seed(1)
+            for param in trainer.model.parameters():
+                signs = torch.randint(0, 2, param.shape, generator=generator, device=device) * 2 - 1
+                param.mul_(1 + signs * 2 ** -8)
     batch = next(trainer.loader)
     values = [trainer.train_step(batch)["loss"] for _ in range(steps)]
     return torch.stack(values).float().cpu()
@@ -49,11 +62,15 @@ def losses(tmp_path, model: str, device: str, compile_: bool, steps: int = 50) -
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_loss_matches_eager_over_50_steps(tmp_path):
     eager, compiled = losses(tmp_path, "vit_b32", "cuda", False), losses(tmp_path, "vit_b32", "cuda", True)
-    curves = f"eager {[round(x, 3) for x in eager.tolist()]}\ncompiled {[round(x, 3) for x in compiled.tolist()]}"
+    nudged = losses(tmp_path, "vit_b32", "cuda", False, nudge_weights=True)
+    curves = "\n".join(f"{name} {[round(x, 3) for x in run.tolist()]}"
+                       for name, run in (("eager", eager), ("compiled", compiled), ("eager, nudged", nudged)))
     print(curves)
     assert torch.isfinite(compiled).all(), curves
     # It learns: the check below compares two training runs, not two constants.
     assert eager[-1] < eager[0] - 0.5, curves
-    # bf16 autocast: the two runs differ by rounding that grows over the steps; 3% is far below the loss's
-    # fall over these 50 steps, and a wrong fusion would be far above it.
-    torch.testing.assert_close(compiled, eager, rtol=0.03, atol=0.03, msg=curves)
+    # A wrong fusion changes the curve by far more than rounding does: the loss falls by about 2.7 in 50 steps.
+    noise = (nudged - eager).abs().max().item()
+    assert noise < 0.5, f"the bf16 noise floor itself is too large to compare against ({noise:.3f})\n{curves}"
+    deviation = (compiled - eager).abs().max().item()
+    assert deviation <= 2 * noise + 0.01, f"compiled deviates by {deviation:.3f}, noise floor {noise:.3f}\n{curves}"
