@@ -39,9 +39,9 @@ except ImportError:
 
 # Launch settings (bench/short_attention.py --tiled-configs measures others): rows of each program's tile (its
 # queries, or for dK and dV its keys); rows of the other side taken per loop step (None: BLOCK; a divisor of it,
-# at least 16); warps per program; software-pipelining stages of the loops (None: 3 for heads of up to 64
-# features, 2 for larger ones, whose 3 stages ran 1.35x slower on an H200, measured with ViT-H/14's heads padded
-# to 128 columns).
+# at least 16); warps per program; software-pipelining stages of the loops (None: 3 where a head's first column
+# block has at most 64 features, e.g. 80 as 64 + 16, 1.10x faster than 2 stages on an H200; 2 for wider blocks,
+# whose 3 stages ran 1.35x slower, measured with ViT-H/14's heads padded to 128 columns).
 BLOCK = 64
 STEP = None
 WARPS = 4
@@ -367,7 +367,7 @@ def _launch_config(length: int, head_dim: int) -> dict:
         raise ValueError(f"tiled_attention.STEP={step} must be a power of 2 of at least 16 that divides BLOCK={BLOCK}")
     full, tail = _tiles(length)
     d0, d1 = _column_blocks(head_dim)
-    stages = STAGES or (3 if d0 + d1 <= 64 else 2)
+    stages = STAGES or (3 if d0 <= 64 else 2)
     return {"tiles": full + (tail > 0), "meta": {
         "BLOCK": BLOCK, "TAIL": tail, "STEP": step, "STEP_TAIL": _tiles(length, step)[1], "D0": d0, "D1": d1,
         "num_warps": WARPS, "num_stages": stages}}
