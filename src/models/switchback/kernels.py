@@ -167,11 +167,10 @@ if triton is not None:
     def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """Tile number `tile`'s (row-block, column-block): GROUP_M row-blocks share each column-block while it is
         in L2."""
-        pid = tile
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        first_m = pid // (GROUP_M * grid_n) * GROUP_M
+        first_m = tile // (GROUP_M * grid_n) * GROUP_M
         group_size = min(grid_m - first_m, GROUP_M)
-        return first_m + (pid % (GROUP_M * grid_n)) % group_size, (pid % (GROUP_M * grid_n)) // group_size
+        return first_m + (tile % (GROUP_M * grid_n)) % group_size, (tile % (GROUP_M * grid_n)) // group_size
 
     @triton.jit
     def _dequantize_store(
