@@ -26,6 +26,7 @@ import open_clip
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from src.optim import rms  # noqa: E402
 from src.optim.stable_adamw import StableAdamW  # noqa: E402
 
 MODELS = {"vit_b32": "ViT-B-32", "vit_h14": "ViT-H-14"}
@@ -53,7 +54,9 @@ def optimizers(device: torch.device, model: str) -> dict[str, tuple[Callable, di
         "AdamW foreach": (lambda ps: torch.optim.AdamW(ps, **HP, foreach=True), {}),
         "AdamW fused": (lambda ps: torch.optim.AdamW(ps, **HP, fused=True), {}),
     }
+    candidates["AdamW fused + RMS, multi-tensor"] = (lambda ps: AdamWWithRMS(ps, fused_rms=False), {})
     if device.type == "cuda":  # the Triton kernels run on CUDA only
+        candidates["AdamW fused + RMS, fused"] = (lambda ps: AdamWWithRMS(ps, fused_rms=True), {})
         candidates["StableAdamW fused"] = (lambda ps: StableAdamW(ps, **HP, fused=True), {})
         candidates["StableAdamW fused fp16 skips"] = (lambda ps: StableAdamW(ps, **HP, fused=True), fp16)
     if device.type == "cpu" and model == "vit_b32":  # the per-tensor loop is slow: only where it is cheap
@@ -71,6 +74,24 @@ def optimizers(device: torch.device, model: str) -> dict[str, tuple[Callable, di
     except ImportError:
         print("optimi (torch-optimi) is not installed: no peer StableAdamW timed")
     return candidates
+
+
+class AdamWWithRMS:
+    """torch's fused AdamW step, then the spike tracker's per-tensor RMS of it (`src/optim/rms.py`), as the
+    trainer runs them with optim=adamw: what StableAdamW's step, which computes the RMS itself, compares with."""
+
+    def __init__(self, params: list[torch.nn.Parameter], fused_rms: bool):
+        self.optimizer = torch.optim.AdamW(params, **HP, fused=True)
+        self.fused_rms = fused_rms
+
+    def step(self) -> None:
+        self.optimizer.step()
+        group = self.optimizer.param_groups[0]
+        members = [p for p in group["params"] if p.grad is not None]
+        if not self.fused_rms:
+            rms._multi_tensor_rms(self.optimizer, group, members)
+        elif rms._fused_rms(self.optimizer, group, members) is None:
+            raise ValueError("the fused RMS does not apply to these tensors")
 
 
 def time_steps(step: Callable[[], None], device: torch.device, iters: int) -> list[float]:

@@ -9,7 +9,7 @@ import torch
 from interpreter_harness import INTERPRETED, ROOT, interpreted, run_under_interpreter
 from test_stable_adamw import make_params, random_grads, set_grads, snapshot
 
-from src.optim import stable_adamw, stable_adamw_triton
+from src.optim import rms, stable_adamw, stable_adamw_triton
 from src.optim.stable_adamw import StableAdamW
 
 pytest.importorskip("triton")
@@ -193,3 +193,39 @@ def test_imports_and_steps_without_triton():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@interpreted
+@pytest.mark.parametrize("fused_adamw", [True, False])
+def test_fused_rms_of_torch_adamw_matches_the_multi_tensor_path(fused_on_cpu, fused_adamw):
+    """update_rms on torch's AdamW takes one Triton pass (here on the CPU, through the interpreter) and gives the
+    multi-tensor path's values: two groups with their own β2 and ε, a tensor one step behind the others, tiny
+    gradients near ε, and tensors that span several programs, with full tiles and tails."""
+    params = make_params(SHAPES)
+    groups = [{"params": params[:3], "betas": (0.9, 0.95), "eps": 1e-6},
+              {"params": params[3:], "betas": (0.9, 0.99), "eps": 1e-3}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2, fused=fused_adamw, foreach=False if not fused_adamw else None)
+    for step in range(5):
+        set_grads(params, random_grads(params, step + 1))
+        if step == 0:
+            params[4].grad = None  # one step fewer for this tensor
+        optimizer.step()
+    got_params, got = rms.update_rms(optimizer)
+    assert [id(p) for p in got_params] == [id(p) for p in params]
+    want = torch.cat([rms._multi_tensor_rms(optimizer, group, group["params"]) for group in optimizer.param_groups])
+    assert rel_diff(got, want) < 1e-6, (got, want)
+    fused = [rms._fused_rms(optimizer, group, group["params"]) for group in optimizer.param_groups]
+    assert all(values is not None for values in fused)  # the values above came from the kernels
+
+
+@interpreted
+def test_fused_rms_leaves_tensors_it_cannot_take_to_the_multi_tensor_path(fused_on_cpu):
+    params = make_params(SHAPES)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    set_grads(params, random_grads(params, 1))
+    optimizer.step()
+    params[1].grad = params[1].grad.t().contiguous().t()  # other strides than its parameter
+    group = optimizer.param_groups[0]
+    assert rms._fused_rms(optimizer, group, params) is None
+    _, values = rms.update_rms(optimizer)
+    assert rel_diff(values, rms._multi_tensor_rms(optimizer, group, params)) < 1e-6

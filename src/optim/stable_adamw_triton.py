@@ -12,6 +12,9 @@ the bias-correction weights, then advances the step counts. Pass 2 recomputes th
 pass 1 store it: pass 1 may not write u before the keep mask is known, and either way the traffic is the
 same 36 bytes per element (AdamW's floor is 28). A skipped tensor's programs return at once, so its
 parameter, moments and step count are left bit for bit. Everything stays on the device: no host sync.
+
+`fused_adamw_rms` reuses pass 1 (with `AFTER_ADAMW`) for the RMS of a step torch's AdamW has just taken: g and
+its bias-corrected second moment read once, 8 bytes per element, where the multi-tensor ops of `rms.py` move 48.
 """
 
 import functools
@@ -110,6 +113,34 @@ def fused_stable_adamw_step(
     return rms, keep if skip_nonfinite or found_inf is not None else None
 
 
+def fused_adamw_rms(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    steps: list[Tensor], *, beta2: float, eps: float,
+) -> Tensor:
+    """RMS_t = ‖g / max(√û, ε)‖ / √n of each float32 tensor of one CUDA device after torch's AdamW stepped it
+    (û = u / (1 − β2^t), t its device-side step count), as `rms.update_rms`'s multi-tensor path computes it.
+    Raises ValueError where the tensors do not suit the kernels (the caller then takes that path)."""
+    if triton is None:
+        raise ValueError("the fused RMS needs triton")
+    device = params[0].device
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"the fused RMS runs on CUDA tensors, not {device}")
+    if any(s.device != device for s in steps):
+        raise ValueError("the fused RMS needs the step counts on the parameters' device (fused AdamW keeps them so)")
+    n = len(params)
+    table, aligned, (work, first, numels) = _tables(device, (params, grads, exp_avgs, exp_avg_sqs, steps))
+    programs = work.shape[1]
+    partial = torch.zeros(max(programs, 1), dtype=torch.float32, device=device)
+    rms = torch.empty(n, dtype=torch.float32, device=device)
+    if programs:
+        _rms_pass[(programs,)](
+            work, numels, table, n, programs, partial, 1.0, partial, partial, eps, BETA2=beta2, CHECK_FINITE=False,
+            AFTER_ADAMW=True, BLOCK=_BLOCK, CHUNK=_CHUNK, ALIGNED=aligned, SCALE_MODE=0, num_warps=_NUM_WARPS,
+        )
+    _rms_finalize[(n,)](first, numels, partial, rms, BLOCK=_REDUCE_BLOCK, num_warps=2)
+    return rms
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _work_plan(device: torch.device, numels: tuple[int, ...], chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     """The grid's work list [2, programs] (tensor index, chunk index), each tensor's first program (with
@@ -175,19 +206,28 @@ if triton is not None:
     # fmt: off
 
     @triton.jit
-    def _gradient_weight(t, BETA: tl.constexpr):
-        """1 − β̂ at step t (float32 count), β̂ = β(1 − β^(t−1))/(1 − β^t), in float64 like the foreach path."""
-        # tl.full keeps β in float64; a bare float constant would be rounded to float32 first.
-        beta = tl.full((), BETA, tl.float64)
-        # β^(t−1) by squaring: exact enough, and unlike libdevice.pow it also runs in the interpreter.
+    def _power(BETA: tl.constexpr, k):
+        """β^k in float64 (k an int32 ≥ 0) by squaring: exact enough, and unlike libdevice.pow it also runs in
+        the interpreter. tl.full keeps β in float64; a bare float constant would be rounded to float32 first."""
         power = tl.full((), 1.0, tl.float64)
-        base = beta
-        k = (t - 1).to(tl.int32)
+        base = tl.full((), BETA, tl.float64)
         while k > 0:
             power = tl.where(k % 2 == 1, power * base, power)
             base = base * base
             k = k // 2
+        return power
+
+    @triton.jit
+    def _gradient_weight(t, BETA: tl.constexpr):
+        """1 − β̂ at step t (float32 count), β̂ = β(1 − β^(t−1))/(1 − β^t), in float64 like the foreach path."""
+        beta = tl.full((), BETA, tl.float64)
+        power = _power(BETA, (t - 1).to(tl.int32))
         return (1.0 - beta * (1.0 - power) / (1.0 - power * beta)).to(tl.float32)
+
+    @triton.jit
+    def _root_bias_correction(t, BETA: tl.constexpr):
+        """√(1 − β^t) at step t (float32 count), in float64 and then rounded, as rms.py's path computes it."""
+        return tl.sqrt(1.0 - _power(BETA, t.to(tl.int32))).to(tl.float32)
 
     @triton.jit
     def _lerp(start, end, w):
@@ -226,35 +266,47 @@ if triton is not None:
 
     @triton.jit
     def _rms_tile(table, n, tensor, off, end, scale_ptr, scale, w2, eps,
-                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, MASKED: tl.constexpr):
+                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, MASKED: tl.constexpr,
+                  AFTER_ADAMW: tl.constexpr):
+        """(g / max(√û, ε))² over one tile, and where g is non-finite. StableAdamW (before its update): û is the
+        new u = lerp(u, g², w2). After torch's AdamW step: û = u / (1 − β2^t), w2 holding √(1 − β2^t)."""
         idx = off + tl.arange(0, BLOCK)
         g = _load(_tile_ptrs(table, 1, n, tensor, idx, BLOCK, ALIGNED), idx, end, MASKED)
         g = _scaled(g, scale_ptr, scale, SCALE_MODE)
-        u = _lerp(_load(_tile_ptrs(table, 3, n, tensor, idx, BLOCK, ALIGNED), idx, end, MASKED), g * g, w2)
-        # As the foreach path: (g / max(√u, ε))², which is g²/max(u, ε²) without squaring ε.
-        x = tl.div_rn(g, tl.maximum(tl.sqrt_rn(u), eps))
+        u = _load(_tile_ptrs(table, 3, n, tensor, idx, BLOCK, ALIGNED), idx, end, MASKED)
+        if AFTER_ADAMW:  # rms.py's rounding: g · (1 / max(√u / √(1 − β2^t), ε))
+            x = g * tl.div_rn(1.0, tl.maximum(tl.div_rn(tl.sqrt_rn(u), w2), eps))
+        else:  # as the foreach path: (g / max(√u, ε))², which is g²/max(u, ε²) without squaring ε
+            x = tl.div_rn(g, tl.maximum(tl.sqrt_rn(_lerp(u, g * g, w2)), eps))
         return x * x, (g != g) | (tl.abs(g) == float("inf"))
 
     @triton.jit
     def _rms_pass(work, numels, table, n, programs, scale_ptr, scale, partial, flags, eps,
                   BETA2: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr):
-        """Per program: the sum of g²/max(u_new, ε²) over its chunk, and whether any g was non-finite."""
+                  ALIGNED: tl.constexpr, SCALE_MODE: tl.constexpr, AFTER_ADAMW: tl.constexpr = False):
+        """Per program: the sum of g²/max(û, ε²) over its chunk (`_rms_tile` says which û), and whether any g was
+        non-finite."""
         pid = tl.program_id(0)
         tensor = tl.load(work + pid)
         start = tl.load(work + programs + pid).to(tl.int64) * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(numels + tensor))
-        w2 = _gradient_weight(tl.load(tl.load(table + 4 * n + tensor).to(tl.pointer_type(tl.float32))) + 1.0, BETA2)
+        step = tl.load(tl.load(table + 4 * n + tensor).to(tl.pointer_type(tl.float32)))
+        if AFTER_ADAMW:
+            w2 = _root_bias_correction(step, BETA2)
+        else:
+            w2 = _gradient_weight(step + 1.0, BETA2)
         args = (table, n, tensor)
         acc = tl.zeros((BLOCK,), tl.float32)
         bad = tl.zeros((BLOCK,), tl.int1)
         full = start + (end - start) // BLOCK * BLOCK
         for off in range(start, full, BLOCK):
-            x, b = _rms_tile(*args, off, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, False)
+            x, b = _rms_tile(*args, off, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, False,
+                             AFTER_ADAMW)
             acc += x
             bad |= b
         if full < end:
-            x, b = _rms_tile(*args, full, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, True)
+            x, b = _rms_tile(*args, full, end, scale_ptr, scale, w2, eps, BLOCK, ALIGNED, SCALE_MODE, True,
+                             AFTER_ADAMW)
             acc += x
             bad |= b
         tl.store(partial + pid, tl.sum(acc))
@@ -262,11 +314,9 @@ if triton is not None:
             tl.store(flags + pid, tl.max(bad.to(tl.int8)))
 
     @triton.jit
-    def _finalize(first, numels, table, n, partial, flags, found_inf, rms_out, keep_out, coef,
-                  lr, weight_decay, clip_threshold, BETA1: tl.constexpr, BETA2: tl.constexpr,
-                  CHECK_FINITE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-        """Per tensor: RMS, keep, the weights and step size for pass 2, and the step count update."""
-        tensor = tl.program_id(0)
+    def _tensor_rms(first, numels, partial, flags, tensor, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr):
+        """(√(sum of the tensor's partial sums / its size) in float32, whether a program flagged it), the partial
+        sums added in a fixed order: deterministic, no atomics."""
         lo = tl.load(first + tensor)
         hi = tl.load(first + tensor + 1)
         total = tl.zeros((BLOCK,), tl.float64)  # float64: a sum of n ones is then exactly n (RMS 1 on step 1)
@@ -276,15 +326,29 @@ if triton is not None:
             total += tl.load(partial + idx, mask=idx < hi, other=0.0).to(tl.float64)
             if CHECK_FINITE:
                 bad = tl.maximum(bad, tl.load(flags + idx, mask=idx < hi, other=0))
-
-        keep = tl.full((), 1, tl.int1)
-        if CHECK_FINITE:
-            keep = tl.max(bad) == 0
-        if HAS_FOUND_INF:
-            keep = keep & (tl.load(found_inf) == 0)
         # float64 sqrt and division are correctly rounded (float32 tl.sqrt is not).
         rms = tl.sqrt(tl.sum(total)) / tl.sqrt(tl.load(numels + tensor).to(tl.float64))
-        rms = tl.where(keep, rms.to(tl.float32), 0.0)
+        return rms.to(tl.float32), tl.max(bad)
+
+    @triton.jit
+    def _rms_finalize(first, numels, partial, rms_out, BLOCK: tl.constexpr):
+        """Per tensor: its RMS from the partial sums of `_rms_pass`."""
+        tensor = tl.program_id(0)
+        tl.store(rms_out + tensor, _tensor_rms(first, numels, partial, partial, tensor, False, BLOCK)[0])
+
+    @triton.jit
+    def _finalize(first, numels, table, n, partial, flags, found_inf, rms_out, keep_out, coef,
+                  lr, weight_decay, clip_threshold, BETA1: tl.constexpr, BETA2: tl.constexpr,
+                  CHECK_FINITE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+        """Per tensor: RMS, keep, the weights and step size for pass 2, and the step count update."""
+        tensor = tl.program_id(0)
+        rms, bad = _tensor_rms(first, numels, partial, flags, tensor, CHECK_FINITE, BLOCK)
+        keep = tl.full((), 1, tl.int1)
+        if CHECK_FINITE:
+            keep = bad == 0
+        if HAS_FOUND_INF:
+            keep = keep & (tl.load(found_inf) == 0)
+        rms = tl.where(keep, rms, 0.0)
         eta = tl.where(keep, tl.div_rn(lr, tl.maximum(tl.div_rn(rms, clip_threshold), 1.0)), 0.0)
 
         step_ptr = tl.load(table + 4 * n + tensor).to(tl.pointer_type(tl.float32))

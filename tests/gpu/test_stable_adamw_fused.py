@@ -119,3 +119,21 @@ def test_step_does_not_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert opt.last_rms.shape == (len(SHAPES),)
+
+
+def test_fused_rms_of_torch_adamw_matches_the_multi_tensor_path():
+    """The spike tracker's RMS after a step of torch's fused AdamW: one Triton pass, the multi-tensor path's values."""
+    from src.optim import rms
+
+    params = make_params()
+    optimizer = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.99), eps=1e-6, fused=True)
+    for step in range(1, 6):
+        for p, g in zip(params, random_grads(step)):
+            p.grad = g
+        optimizer.step()
+    group = optimizer.param_groups[0]
+    fused = rms._fused_rms(optimizer, group, params)
+    assert fused is not None
+    want = rms._multi_tensor_rms(optimizer, group, params)
+    assert torch.isfinite(fused).all()
+    torch.testing.assert_close(fused, want, rtol=1e-6, atol=0)
