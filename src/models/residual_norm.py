@@ -1,0 +1,174 @@
+"""The middle of a transformer block, x1 = x + γ·a and y = LayerNorm(x1), forward and backward in one Triton
+kernel each (WIP: not yet measured on a GPU, not yet used by the model; bench/residual_norm.py measures it).
+
+Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
+and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
+the LayerNorm's weight and bias. On ViT-H/14 those column reductions take about 23 ms of a 704 ms step
+(docs/BENCHMARKS.md, session 8). Here each program walks ROWS rows and keeps its column sums in registers,
+written once as partial sums per program and added up in a fixed order (deterministic, no atomics).
+
+Arithmetic as the unfused path under autocast: x (float32 residual stream), a (the branch's 16-bit output)
+and γ give x1 in float32; the LayerNorm runs in float32 and y is rounded to a's dtype, as the next linear
+layer would round it. Gradients: dx = dx1 (the residual's gradient plus the LayerNorm's), da = dx1·γ in a's
+dtype, dγ = Σ dx1·a, dw = Σ dy·x̂, db = Σ dy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+from src.triton_interpreter import interpreting
+
+ROWS = 32  # rows per program: fewer partial column sums to write and add, against fewer programs in flight
+
+
+def unsupported_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
+    """Why the fused kernels cannot run on (x, a) (with the fix), or None where they can."""
+    if triton is None:
+        return "it needs Triton (installed with PyTorch's CUDA wheels on Linux): install triton"
+    if x.device.type != "cuda" and not interpreting():
+        return f"it needs a CUDA GPU, but the model is on {x.device}"
+    if x.dtype != torch.float32 or a.dtype not in (torch.bfloat16, torch.float16):
+        return f"it needs a float32 residual stream and a 16-bit branch output, got {x.dtype} and {a.dtype}"
+    if x.shape[-1] > 8192:
+        return f"it keeps a whole row in registers: width {x.shape[-1]} is over 8192"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _forward_kernel(x_ptr, a_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr, rstd_ptr, rows, width, eps,
+                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+        cols = tl.arange(0, BLOCK_W)
+        inside = cols < width
+        gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+        b = tl.load(b_ptr + cols, mask=inside, other=0.0)
+        for r in range(ROWS):
+            row = tl.program_id(0) * ROWS + r
+            mask = inside & (row < rows)
+            offsets = row.to(tl.int64) * width + cols
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+            x1 = x + tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * gamma
+            tl.store(x1_ptr + offsets, x1, mask=mask)
+            mean = tl.sum(x1) / width
+            centered = tl.where(inside, x1 - mean, 0.0)
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(centered * centered) / width + eps)
+            tl.store(y_ptr + offsets, (centered * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(mean_ptr + row, mean, mask=row < rows)
+            tl.store(rstd_ptr + row, rstd, mask=row < rows)
+
+    @triton.jit
+    def _backward_kernel(grad_x1_ptr, grad_y_ptr, x1_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
+                         da_ptr, partial_ptr, rows, width, programs, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+                         HAS_GRAD_X1: tl.constexpr):
+        """dx and da per row; per program, its partial column sums of dγ, dw and db ([3, programs, width])."""
+        cols = tl.arange(0, BLOCK_W)
+        inside = cols < width
+        gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+        sum_gamma = tl.zeros((BLOCK_W,), tl.float32)
+        sum_w = tl.zeros((BLOCK_W,), tl.float32)
+        sum_b = tl.zeros((BLOCK_W,), tl.float32)
+        for r in range(ROWS):
+            row = tl.program_id(0) * ROWS + r
+            mask = inside & (row < rows)
+            offsets = row.to(tl.int64) * width + cols
+            grad_y = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + row, mask=row < rows, other=0.0)
+            rstd = tl.load(rstd_ptr + row, mask=row < rows, other=0.0)
+            x_hat = tl.where(mask, (tl.load(x1_ptr + offsets, mask=mask, other=0.0) - mean) * rstd, 0.0)
+            grad_x_hat = grad_y * w
+            dx = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat) / width) - tl.sum(grad_x_hat) / width)
+            if HAS_GRAD_X1:
+                dx += tl.load(grad_x1_ptr + offsets, mask=mask, other=0.0)
+            dx = tl.where(mask, dx, 0.0)
+            tl.store(dx_ptr + offsets, dx, mask=mask)
+            tl.store(da_ptr + offsets, (dx * gamma).to(da_ptr.dtype.element_ty), mask=mask)
+            sum_gamma += dx * tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            sum_w += grad_y * x_hat
+            sum_b += grad_y
+        base = partial_ptr + tl.program_id(0).to(tl.int64) * width + cols
+        tl.store(base, sum_gamma, mask=inside)
+        tl.store(base + programs * width, sum_w, mask=inside)
+        tl.store(base + 2 * programs * width, sum_b, mask=inside)
+
+
+def _grid(rows: int) -> int:
+    return triton.cdiv(rows, ROWS)
+
+
+@torch.library.custom_op("stableclip::residual_norm_forward", mutates_args=())
+def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (16-bit)."""
+    rows, width = x.shape
+    x1, y = torch.empty_like(x), torch.empty_like(a)
+    mean, rstd = x.new_empty(rows), x.new_empty(rows)
+    _forward_kernel[(_grid(rows),)](x, a, gamma, weight, bias, x1, y, mean, rstd, rows, width, eps,
+                                    BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, num_warps=4)
+    return x1, y, mean, rstd
+
+
+@_forward.register_fake
+def _(x, a, gamma, weight, bias, eps):
+    return torch.empty_like(x), torch.empty_like(a), x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+
+
+@torch.library.custom_op("stableclip::residual_norm_backward", mutates_args=())
+def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, x1: torch.Tensor, a: torch.Tensor,
+              gamma: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, da, dγ, dw, db)."""
+    rows, width = x1.shape
+    programs = _grid(rows)
+    dx, da = torch.empty_like(x1), torch.empty_like(a)
+    partial = x1.new_empty(3, programs, width)
+    _backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, x1, a, gamma, weight, mean, rstd,
+                                  dx, da, partial, rows, width, programs, BLOCK_W=triton.next_power_of_2(width),
+                                  ROWS=ROWS, HAS_GRAD_X1=grad_x1 is not None, num_warps=4)
+    dgamma, dweight, dbias = (part.sum(0) for part in partial)  # a fixed order: deterministic
+    return dx, da, dgamma, dweight, dbias
+
+
+@_backward.register_fake
+def _(grad_x1, grad_y, x1, a, gamma, weight, mean, rstd):
+    width = x1.shape[1]
+    return (torch.empty_like(x1), torch.empty_like(a), x1.new_empty(width), x1.new_empty(width),
+            x1.new_empty(width))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, a, gamma, weight, bias, eps = inputs
+    x1, _, mean, rstd = output
+    ctx.save_for_backward(x1, a, gamma, weight, mean, rstd)
+
+
+def _grads(ctx, grad_x1, grad_y, _grad_mean, _grad_rstd):
+    x1, a, gamma, weight, mean, rstd = ctx.saved_tensors
+    dx, da, dgamma, dweight, dbias = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), x1, a, gamma, weight,
+                                               mean, rstd)
+    return dx, da, dgamma, dweight, dbias, None
+
+
+_forward.register_autograd(_grads, setup_context=_setup_context)
+
+
+def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x1, y) = (x + γ·a, LayerNorm(x1) in a's dtype) over the last dimension, for x [..., width] float32 and a
+    of x's shape in 16 bits; γ, weight and bias [width] float32."""
+    reason = unsupported_reason(x, a)
+    if reason is not None:
+        raise ValueError(f"the fused residual + LayerNorm cannot run here: {reason}")
+    width = x.shape[-1]
+    x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), gamma, weight,
+                           bias, eps)
+    return x1.view(x.shape), y.view(a.shape)

@@ -1,0 +1,75 @@
+"""The fused residual + LayerNorm (src/models/residual_norm.py) against PyTorch's ops in float64, forward and
+backward, on the CPU through Triton's interpreter (tests/interpreter_harness.py says how)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
+
+from src.models import residual_norm as rn
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the subprocess")
+def test_kernels_under_the_interpreter():
+    run_under_interpreter(__file__)
+
+
+def inputs(rows: int, width: int, dtype: torch.dtype = torch.bfloat16):
+    torch.manual_seed(rows * width)
+    x = torch.randn(rows, width) * 3 + 1
+    a = torch.randn(rows, width).to(dtype)
+    gamma, weight, bias = torch.rand(width) + 0.1, torch.randn(width), torch.randn(width)
+    return x, a, gamma, weight, bias
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@interpreted
+@pytest.mark.parametrize(("rows", "width", "rows_per_program"), [(70, 48, 32), (5, 80, 32), (33, 64, 4), (9, 3, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, dtype):
+    """Widths that fill the row block and ones that leave it part empty; rows that leave the last program part
+    empty; several programs' partial column sums."""
+    monkeypatch.setattr(rn, "ROWS", rows_per_program)
+    x, a, gamma, weight, bias = inputs(rows, width, dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, a, gamma, weight, bias)]
+    x1, y = rn.residual_norm(*leaves, eps=1e-5)
+    grad_x1, grad_y = torch.randn(rows, width), torch.randn(rows, width).to(dtype)
+    torch.autograd.backward([x1, y], [grad_x1, grad_y])
+
+    exact = [t.double().requires_grad_() for t in (x, a, gamma, weight, bias)]
+    want_x1 = exact[0] + exact[1] * exact[2]
+    want_y = F.layer_norm(want_x1, (width,), exact[3], exact[4], 1e-5)
+    torch.autograd.backward([want_x1, want_y], [grad_x1.double(), grad_y.double()])
+
+    assert x1.dtype == torch.float32 and y.dtype == dtype
+    assert rel_error(x1, want_x1) < 1e-6
+    assert rel_error(y, want_y) < 2 ** -7  # rounded to 16 bits once
+    for leaf, want in zip(leaves, exact):
+        assert leaf.grad.dtype == leaf.dtype
+        tolerance = 2 ** -7 if leaf.dtype != torch.float32 else 1e-5
+        assert rel_error(leaf.grad, want.grad) < tolerance, (leaf.shape, rel_error(leaf.grad, want.grad))
+
+
+@interpreted
+def test_ops_pass_opcheck():
+    x, a, gamma, weight, bias = inputs(6, 16)
+    torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default, (x, a, gamma, weight, bias, 1e-5),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@interpreted
+def test_refuses_a_branch_output_that_is_not_16_bit():
+    x, a, gamma, weight, bias = inputs(4, 8)
+    with pytest.raises(ValueError, match="16-bit branch output, got torch.float32 and torch.float32"):
+        rn.residual_norm(x, a.float(), gamma, weight, bias)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on the CPU")
+def test_refuses_the_cpu_with_the_reason():
+    with pytest.raises(ValueError, match="it needs a CUDA GPU, but the model is on cpu"):
+        rn.residual_norm(*inputs(4, 8))
