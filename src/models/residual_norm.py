@@ -1,5 +1,6 @@
 """The middle of a transformer block, x1 = x + γ·a and y = LayerNorm(x1), forward and backward in one Triton
-kernel each (WIP: not yet measured on a GPU, not yet used by the model; bench/residual_norm.py measures it).
+kernel each, for `model.fused_residual_norm=true` (WIP: not yet measured on a GPU; bench/residual_norm.py
+measures it).
 
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
 and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
@@ -167,7 +168,7 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight:
     of x's shape in 16 bits; γ, weight and bias [width] float32."""
     reason = unsupported_reason(x, a)
     if reason is not None:
-        raise ValueError(f"the fused residual + LayerNorm cannot run here: {reason}")
+        raise ValueError(f"model.fused_residual_norm=true cannot run here: {reason}; or set it to false")
     width = x.shape[-1]
     x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), gamma, weight,
                            bias, eps)

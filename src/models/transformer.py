@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from src.models import short_attention, tiled_attention
+from src.models.residual_norm import residual_norm
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
@@ -161,6 +162,14 @@ class Attention(nn.Module):
         return None
 
 
+def set_fused_residual_norm(module: nn.Module, fused: bool) -> None:
+    """model.fused_residual_norm: every Block of `module` computes x + ls_1(attention) and ln_2 with
+    residual_norm.py's kernels (CUDA, 16-bit autocast; a clear error at the first step elsewhere)."""
+    for block in module.modules():
+        if isinstance(block, Block):
+            block.fused_residual_norm = fused
+
+
 class Block(nn.Module):
     def __init__(self, width: int, heads: int, mlp_ratio: float, ls_init_value: float | None, quick_gelu: bool):
         super().__init__()
@@ -176,6 +185,7 @@ class Block(nn.Module):
         ]))
         self.ls_2 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
         self.checkpoint_policy = "none"  # one of CHECKPOINT_POLICIES; Transformer.set_checkpointing sets it
+        self.fused_residual_norm = False  # set_fused_residual_norm sets it
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         # The checkpoint sits inside the block so that a compiled block (parallelize.apply_compile) traces it
@@ -192,8 +202,14 @@ class Block(nn.Module):
                           **_RESPECT_HOOKS)
 
     def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
-        x = x + self.ls_1(self.attn(self.ln_1(x), causal=causal))
-        return x + self.ls_2(self.mlp(self.ln_2(x)))
+        branch = self.attn(self.ln_1(x), causal=causal)
+        if self.fused_residual_norm:
+            gamma = self.ls_1.gamma if isinstance(self.ls_1, LayerScale) else torch.ones_like(self.ln_2.weight)
+            x, normed = residual_norm(x, branch, gamma, self.ln_2.weight, self.ln_2.bias, self.ln_2.eps)
+        else:
+            x = x + self.ls_1(branch)
+            normed = self.ln_2(x)
+        return x + self.ls_2(self.mlp(normed))
 
 
 class Transformer(nn.Module):
