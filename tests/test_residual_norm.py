@@ -31,7 +31,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @interpreted
 @pytest.mark.parametrize(("rows", "width", "rows_per_program"), [(70, 48, 32), (5, 80, 32), (33, 64, 4), (9, 3, 4)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, dtype):
     """Widths that fill the row block and ones that leave it part empty; rows that leave the last program part
     empty; several programs' partial column sums."""
@@ -64,16 +64,27 @@ def test_ops_pass_opcheck():
 
 
 @interpreted
-def test_refuses_a_branch_output_that_is_not_16_bit():
+def test_refuses_a_float64_branch_output():
     x, a, gamma, weight, bias = inputs(4, 8)
-    with pytest.raises(ValueError, match="16-bit branch output, got torch.float32 and torch.float32"):
-        rn.residual_norm(x, a.float(), gamma, weight, bias)
+    with pytest.raises(ValueError, match="float16 branch output, got torch.float32 and torch.float64"):
+        rn.residual_norm(x, a.double(), gamma, weight, bias)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on the CPU")
 def test_refuses_the_cpu_with_the_reason():
     with pytest.raises(ValueError, match="fused_residual_norm=true cannot run here: it needs a CUDA GPU"):
         rn.residual_norm(*inputs(4, 8))
+
+
+def test_runs_on_the_meta_device_for_flop_counting():
+    """bench/throughput.py counts FLOPs on a meta-device copy of the model: forward and backward must trace."""
+    with torch.device("meta"):
+        tower = Transformer(width=16, layers=1, heads=2, mlp_ratio=2.0, ls_init_value=0.1)
+        x = torch.randn(2, 5, 16, requires_grad=True)
+    set_fused_residual_norm(tower, True)
+    out = tower(x)
+    out.sum().backward()
+    assert out.shape == (2, 5, 16) and out.device.type == "meta" and x.grad.shape == x.shape
 
 
 @interpreted

@@ -8,7 +8,7 @@ the LayerNorm's weight and bias. On ViT-H/14 those column reductions take about 
 (docs/BENCHMARKS.md, session 8). Here each program walks ROWS rows and keeps its column sums in registers,
 written once as partial sums per program and added up in a fixed order (deterministic, no atomics).
 
-Arithmetic as the unfused path under autocast: x (float32 residual stream), a (the branch's 16-bit output)
+Arithmetic as the unfused path: x (float32 residual stream), a (the branch's output, in 16 bits under autocast)
 and γ give x1 in float32; the LayerNorm runs in float32 and y is rounded to a's dtype, as the next linear
 layer would round it. Gradients: dx = dx1 (the residual's gradient plus the LayerNorm's), da = dx1·γ in a's
 dtype, dγ = Σ dx1·a, dw = Σ dy·x̂, db = Σ dy.
@@ -33,10 +33,12 @@ def unsupported_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
     """Why the fused kernels cannot run on (x, a) (with the fix), or None where they can."""
     if triton is None:
         return "it needs Triton (installed with PyTorch's CUDA wheels on Linux): install triton"
-    if x.device.type != "cuda" and not interpreting():
+    # The meta device runs the fake kernels: FLOP counting and meta-device init trace the model there.
+    if x.device.type not in ("cuda", "meta") and not interpreting():
         return f"it needs a CUDA GPU, but the model is on {x.device}"
-    if x.dtype != torch.float32 or a.dtype not in (torch.bfloat16, torch.float16):
-        return f"it needs a float32 residual stream and a 16-bit branch output, got {x.dtype} and {a.dtype}"
+    if x.dtype != torch.float32 or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return (f"it needs a float32 residual stream and a float32, bfloat16 or float16 branch output, "
+                f"got {x.dtype} and {a.dtype}")
     if x.shape[-1] > 8192:
         return f"it keeps a whole row in registers: width {x.shape[-1]} is over 8192"
     return None
@@ -109,7 +111,7 @@ def _grid(rows: int) -> int:
 @torch.library.custom_op("stableclip::residual_norm_forward", mutates_args=())
 def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (16-bit)."""
+    """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (float32 or 16 bits)."""
     rows, width = x.shape
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
@@ -165,7 +167,7 @@ _forward.register_autograd(_grads, setup_context=_setup_context)
 def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """(x1, y) = (x + γ·a, LayerNorm(x1) in a's dtype) over the last dimension, for x [..., width] float32 and a
-    of x's shape in 16 bits; γ, weight and bias [width] float32."""
+    of x's shape in float32 or 16 bits; γ, weight and bias [width] float32."""
     reason = unsupported_reason(x, a)
     if reason is not None:
         raise ValueError(f"model.fused_residual_norm=true cannot run here: {reason}; or set it to false")
