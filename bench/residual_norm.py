@@ -2,10 +2,11 @@
 ops compiled by TorchInductor against our fused kernels (src/models/residual_norm.py), taking turns in the
 same rounds, at the image towers' shapes.
 
-    python bench/residual_norm.py [--iters 10] [--rounds 3]
+    python bench/residual_norm.py [--iters 10] [--rounds 3] [--rows 32 16 ...]
 
-The bound beside them: the bytes the fused kernels must move (forward: read x, a; write x1, y; backward: read
-the two gradients, x1, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
+`--rows` times our kernels at each number of rows per program (residual_norm.ROWS), in the same rounds. The
+bound beside them: the bytes the fused kernels must move (forward: read x, a; write x1, y; backward: read the
+two gradients, x, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
-from src.models.residual_norm import residual_norm  # noqa: E402
+from src.models import residual_norm as rn  # noqa: E402
 
 # (what, tokens, width): the image towers at the throughput benchmark's batches
 SHAPES = [("ViT-B/32 image tower", 1024 * 50, 768), ("ViT-L/14 image tower", 256 * 257, 1024),
@@ -34,8 +35,10 @@ def unfused(x, a, gamma, weight, bias):
     return x1, F.layer_norm(x1, (x.shape[-1],), weight, bias, 1e-5).to(a.dtype)
 
 
-def step(fn, leaves, grads):
+def step(fn, leaves, grads, rows: int | None = None):
     def run():
+        if rows is not None:
+            rn.ROWS = rows
         torch.autograd.backward(fn(*leaves), grads)
     return run
 
@@ -44,6 +47,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, nargs="+", default=[rn.ROWS], help="rows per program to time")
     parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s for the bound (H200: 4.8 peak)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -57,11 +61,12 @@ def main() -> int:
         leaves = [t.requires_grad_() for t in leaves]
         grads = [torch.randn(tokens, width, device="cuda"),
                  torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)]
-        ms = interleaved_ms({"inductor": step(torch.compile(unfused), leaves, grads),
-                             "ours": step(residual_norm, leaves, grads)}, args.iters, args.rounds)
+        ours = {f"ours rows={rows}": step(rn.residual_norm, leaves, grads, rows) for rows in args.rows}
+        ms = interleaved_ms({"inductor": step(torch.compile(unfused), leaves, grads), **ours}, args.iters,
+                            args.rounds)
         print(json.dumps({"shape": what, "tokens": tokens, "width": width,
                           **{name: round(value, 3) for name, value in ms.items()},
-                          "speedup": ms["inductor"] / ms["ours"],
+                          "speedup": ms["inductor"] / min(ms[name] for name in ours),
                           "bound_ms": BYTES_PER_ELEMENT * tokens * width / (args.bandwidth * 1e12) * 1e3,
                           "gpu": torch.cuda.get_device_name()}), flush=True)
     return 0
