@@ -67,7 +67,7 @@ class ModelConfig:
     checkpoint_policy: str = "none"
     checkpoint_every: int = 1
     attention_backend: str = "auto"
-    fused_residual_norm: bool = False
+    residual_norm: str = "auto"
     linear: str = "standard"
     linear_backend: str = "cuda"
     init_from: str | None = None

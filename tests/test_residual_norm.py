@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
 
 from src.models import residual_norm as rn
-from src.models.transformer import Transformer, set_fused_residual_norm
+from src.models.transformer import Transformer, set_residual_norm
 
 pytest.importorskip("triton")
 
@@ -72,7 +72,7 @@ def test_refuses_a_float64_branch_output():
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on the CPU")
 def test_refuses_the_cpu_with_the_reason():
-    with pytest.raises(ValueError, match="fused_residual_norm=true cannot run here: it needs a CUDA GPU"):
+    with pytest.raises(ValueError, match="residual_norm=fused cannot run here: it needs a CUDA GPU"):
         rn.residual_norm(*inputs(4, 8))
 
 
@@ -81,7 +81,7 @@ def test_runs_on_the_meta_device_for_flop_counting():
     with torch.device("meta"):
         tower = Transformer(width=16, layers=1, heads=2, mlp_ratio=2.0, ls_init_value=0.1)
         x = torch.randn(2, 5, 16, requires_grad=True)
-    set_fused_residual_norm(tower, True)
+    set_residual_norm(tower, "fused")
     out = tower(x)
     out.sum().backward()
     assert out.shape == (2, 5, 16) and out.device.type == "meta" and x.grad.shape == x.shape
@@ -89,7 +89,7 @@ def test_runs_on_the_meta_device_for_flop_counting():
 
 @interpreted
 def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones():
-    """model.fused_residual_norm=true: a small transformer under bf16 autocast lands as close to the float64
+    """model.residual_norm=fused: a small transformer under bf16 autocast lands as close to the float64
     computation, output and every gradient, as the unfused blocks do (both round to bf16 in many places, so they
     differ from each other by up to about 2% of the largest value)."""
 
@@ -97,7 +97,7 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones():
         torch.manual_seed(0)
         transformer = Transformer(width=32, layers=2, heads=2, mlp_ratio=4.0, ls_init_value=0.5)
         transformer.init_weights()
-        set_fused_residual_norm(transformer, fused)
+        set_residual_norm(transformer, "fused" if fused else "unfused")
         x = torch.randn(3, 7, 32)
         if dtype is None:
             transformer, x = transformer.double(), x.double()
@@ -111,3 +111,15 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones():
     for want, theirs, ours in zip(exact, unfused, fused):
         assert rel_error(ours, want) <= 2 * rel_error(theirs, want) + 1e-3, (rel_error(ours, want),
                                                                              rel_error(theirs, want))
+
+
+def test_auto_runs_unfused_on_the_cpu_and_bad_modes_are_named():
+    tower = Transformer(width=16, layers=1, heads=2, mlp_ratio=2.0, ls_init_value=0.1)
+    x = torch.randn(2, 5, 16)
+    assert not rn.applies(x, x)
+    set_residual_norm(tower, "unfused")
+    want = tower(x)
+    set_residual_norm(tower, "auto")
+    assert torch.equal(tower(x), want)
+    with pytest.raises(ValueError, match="model.residual_norm='on' is not one of auto, fused, unfused"):
+        set_residual_norm(tower, "on")

@@ -12,7 +12,7 @@ from torch import nn
 
 from src.config import ModelConfig
 from src.models.switchback.convert import check_linear_choice, convert_to_switchback
-from src.models.transformer import Transformer, set_attention_backend, set_fused_residual_norm
+from src.models.transformer import Transformer, set_attention_backend, set_residual_norm
 from src.models.vision import VisionTransformer
 
 
@@ -39,7 +39,7 @@ class CLIP(nn.Module):
         legacy = cfg.grad_checkpointing and cfg.checkpoint_policy == "none"
         self.set_checkpointing("full" if legacy else cfg.checkpoint_policy, cfg.checkpoint_every)
         set_attention_backend(self, cfg.attention_backend)
-        set_fused_residual_norm(self, cfg.fused_residual_norm)
+        set_residual_norm(self, cfg.residual_norm)
 
     def init_weights(self) -> None:
         """Initialise every parameter; called after `to_empty()` when the model was built on `meta`."""

@@ -1,6 +1,6 @@
 """The middle of a transformer block, x1 = x + γ·a and y = LayerNorm(x1), forward and backward in one Triton
-kernel each, for `model.fused_residual_norm=true` (WIP: not yet measured on a GPU; bench/residual_norm.py
-measures it).
+kernel each, for `model.residual_norm` (`auto` takes them on a GPU at widths of at least 1024; `fused`
+everywhere they run).
 
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
 and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
@@ -27,6 +27,16 @@ except ImportError:
 from src.triton_interpreter import interpreting
 
 ROWS = 32  # rows per program: fewer partial column sums to write and add, against fewer programs in flight
+MODES = ("auto", "fused", "unfused")
+# `auto`'s narrowest width: on an H200 (bench/residual_norm.py) the kernels beat Inductor's 1.42x at 1024 and
+# 1.27x at 1280 (forward + backward), and lost at 768 (0.92x).
+AUTO_MIN_WIDTH = 1024
+
+
+def applies(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether `model.residual_norm=auto` takes the fused kernels for (x, a): on a GPU (not the interpreter), at
+    widths of at least AUTO_MIN_WIDTH."""
+    return x.device.type == "cuda" and x.shape[-1] >= AUTO_MIN_WIDTH and unsupported_reason(x, a) is None
 
 
 def unsupported_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
@@ -174,7 +184,7 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight:
     of x's shape in float32 or 16 bits; γ, weight and bias [width] float32."""
     reason = unsupported_reason(x, a)
     if reason is not None:
-        raise ValueError(f"model.fused_residual_norm=true cannot run here: {reason}; or set it to false")
+        raise ValueError(f"model.residual_norm=fused cannot run here: {reason}; or set it to auto or unfused")
     width = x.shape[-1]
     x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), gamma, weight,
                            bias, eps)

@@ -20,8 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from src.models import short_attention, tiled_attention
-from src.models.residual_norm import residual_norm
+from src.models import residual_norm, short_attention, tiled_attention
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
@@ -162,12 +161,15 @@ class Attention(nn.Module):
         return None
 
 
-def set_fused_residual_norm(module: nn.Module, fused: bool) -> None:
-    """model.fused_residual_norm: every Block of `module` computes x + ls_1(attention) and ln_2 with
-    residual_norm.py's kernels (CUDA, 16-bit autocast; a clear error at the first step elsewhere)."""
+def set_residual_norm(module: nn.Module, mode: str) -> None:
+    """model.residual_norm: how every Block of `module` computes x + ls_1(attention) and ln_2: with
+    residual_norm.py's fused kernels (`fused`: CUDA only, a clear error at the first step elsewhere), with
+    PyTorch's ops (`unfused`), or `auto`: fused where residual_norm.applies."""
+    if mode not in residual_norm.MODES:
+        raise ValueError(f"model.residual_norm={mode!r} is not one of {', '.join(residual_norm.MODES)}")
     for block in module.modules():
         if isinstance(block, Block):
-            block.fused_residual_norm = fused
+            block.residual_norm = mode
 
 
 class Block(nn.Module):
@@ -185,7 +187,7 @@ class Block(nn.Module):
         ]))
         self.ls_2 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
         self.checkpoint_policy = "none"  # one of CHECKPOINT_POLICIES; Transformer.set_checkpointing sets it
-        self.fused_residual_norm = False  # set_fused_residual_norm sets it
+        self.residual_norm = "auto"  # one of residual_norm.MODES; set_residual_norm sets it
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
         # The checkpoint sits inside the block so that a compiled block (parallelize.apply_compile) traces it
@@ -203,9 +205,10 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         branch = self.attn(self.ln_1(x), causal=causal)
-        if self.fused_residual_norm:
+        if self.residual_norm == "fused" or (self.residual_norm == "auto" and residual_norm.applies(x, branch)):
             gamma = self.ls_1.gamma if isinstance(self.ls_1, LayerScale) else torch.ones_like(self.ln_2.weight)
-            x, normed = residual_norm(x, branch, gamma, self.ln_2.weight, self.ln_2.bias, self.ln_2.eps)
+            x, normed = residual_norm.residual_norm(x, branch, gamma, self.ln_2.weight, self.ln_2.bias,
+                                                    self.ln_2.eps)
         else:
             x = x + self.ls_1(branch)
             normed = self.ln_2(x)

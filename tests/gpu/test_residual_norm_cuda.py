@@ -41,3 +41,16 @@ def test_matches_float64_and_is_deterministic(width, dtype):
         assert torch.isfinite(value).all()
         tolerance = 5e-5 if value.dtype == torch.float32 else 2 ** -7  # float32 sums over 4111 rows
         assert rel_error(value, want) < tolerance
+
+
+@pytest.mark.parametrize(("width", "fused"), [(768, False), (1024, True), (1280, True)])
+def test_auto_takes_the_kernels_from_1024_features(monkeypatch, width, fused):
+    from src.models import residual_norm as rn
+    from src.models.transformer import Transformer
+
+    calls, original = [], rn.residual_norm
+    monkeypatch.setattr(rn, "residual_norm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    tower = Transformer(width=width, layers=1, heads=width // 64, mlp_ratio=1.0, ls_init_value=0.1).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tower(torch.randn(2, 7, width, device="cuda"))
+    assert bool(calls) == fused
