@@ -32,13 +32,14 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @interpreted
 @pytest.mark.parametrize(("rows", "width", "rows_per_program"), [(70, 48, 32), (5, 80, 32), (33, 64, 4), (9, 3, 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, dtype):
+@pytest.mark.parametrize("save_sum", [False, True])
+def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, dtype, save_sum):
     """Widths that fill the row block and ones that leave it part empty; rows that leave the last program part
-    empty; several programs' partial column sums."""
+    empty; several programs' partial column sums; the backward from x or from x1."""
     monkeypatch.setattr(rn, "ROWS", rows_per_program)
     x, a, gamma, weight, bias = inputs(rows, width, dtype)
     leaves = [t.clone().requires_grad_() for t in (x, a, gamma, weight, bias)]
-    x1, y = rn.residual_norm(*leaves, eps=1e-5)
+    x1, y = rn.residual_norm(*leaves, eps=1e-5, save_sum=save_sum)
     grad_x1, grad_y = torch.randn(rows, width), torch.randn(rows, width).to(dtype)
     torch.autograd.backward([x1, y], [grad_x1, grad_y])
 
@@ -59,7 +60,7 @@ def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_
 @interpreted
 def test_ops_pass_opcheck():
     x, a, gamma, weight, bias = inputs(6, 16)
-    torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default, (x, a, gamma, weight, bias, 1e-5),
+    torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default, (x, a, gamma, weight, bias, 1e-5, True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -76,38 +77,65 @@ def test_refuses_the_cpu_with_the_reason():
         rn.residual_norm(*inputs(4, 8))
 
 
-def test_runs_on_the_meta_device_for_flop_counting():
-    """bench/throughput.py counts FLOPs on a meta-device copy of the model: forward and backward must trace."""
+def counting_calls(monkeypatch) -> list:
+    """Count the fused kernels' calls (each one forward)."""
+    calls, original = [], rn.residual_norm
+    monkeypatch.setattr(rn, "residual_norm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("final_norm", [False, True])
+def test_runs_on_the_meta_device_for_flop_counting(monkeypatch, final_norm):
+    """bench/throughput.py counts FLOPs on a meta-device copy of the model: forward and backward must trace,
+    blocks alone and chained."""
+    calls = counting_calls(monkeypatch)
     with torch.device("meta"):
-        tower = Transformer(width=16, layers=1, heads=2, mlp_ratio=2.0, ls_init_value=0.1)
+        tower = Transformer(width=16, layers=2, heads=2, mlp_ratio=2.0, ls_init_value=0.1)
+        norm = torch.nn.LayerNorm(16) if final_norm else None
         x = torch.randn(2, 5, 16, requires_grad=True)
     set_residual_norm(tower, "fused")
-    out = tower(x)
+    out = tower(x, final_norm=norm)
     out.sum().backward()
     assert out.shape == (2, 5, 16) and out.device.type == "meta" and x.grad.shape == x.shape
+    assert len(calls) == (4 if final_norm else 2)
 
 
 @interpreted
-def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones():
+@pytest.mark.parametrize("chained", [False, True])
+def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, chained):
     """model.residual_norm=fused: a small transformer under bf16 autocast lands as close to the float64
     computation, output and every gradient, as the unfused blocks do (both round to bf16 in many places, so they
-    differ from each other by up to about 2% of the largest value)."""
+    differ from each other by up to about 2% of the largest value). Chained (a final norm given): each closing
+    residual is fused with the next block's ln_1, the last with the final norm."""
+    calls = counting_calls(monkeypatch)
 
     def run(fused: bool, dtype: torch.dtype | None) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        transformer = Transformer(width=32, layers=2, heads=2, mlp_ratio=4.0, ls_init_value=0.5)
+        transformer = Transformer(width=32, layers=3, heads=2, mlp_ratio=4.0, ls_init_value=0.5)
         transformer.init_weights()
+        final_norm = torch.nn.LayerNorm(32)
+        with torch.no_grad():
+            final_norm.weight.uniform_(0.5, 1.5)
+            final_norm.bias.uniform_(-0.5, 0.5)
         set_residual_norm(transformer, "fused" if fused else "unfused")
         x = torch.randn(3, 7, 32)
         if dtype is None:
-            transformer, x = transformer.double(), x.double()
+            transformer, final_norm, x = transformer.double(), final_norm.double(), x.double()
         x.requires_grad_()
+        # A projection after the tower, as in CLIP's towers: under autocast it takes the output in 16 bits,
+        # which the chain's final norm writes and the unfused path's norm leaves to the matmul's cast.
+        projection = torch.randn(32, 8, dtype=x.dtype) / 32**0.5
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            out = transformer(x)
+            out = transformer(x, final_norm=final_norm if chained else None) @ projection
         out.double().square().mean().backward()
-        return [out, x.grad] + [p.grad for p in transformer.parameters()]
+        return [out, x.grad] + [p.grad for p in (*transformer.parameters(), *final_norm.parameters())
+                                if p.grad is not None]
 
-    exact, unfused, fused = run(False, None), run(False, torch.bfloat16), run(True, torch.bfloat16)
+    exact, unfused = run(False, None), run(False, torch.bfloat16)
+    assert not calls
+    fused = run(True, torch.bfloat16)
+    assert len(calls) == (6 if chained else 3)
+    assert len(fused) == len(exact) == len(unfused)
     for want, theirs, ours in zip(exact, unfused, fused):
         assert rel_error(ours, want) <= 2 * rel_error(theirs, want) + 1e-3, (rel_error(ours, want),
                                                                              rel_error(theirs, want))
@@ -125,3 +153,20 @@ def test_auto_runs_unfused_on_the_cpu_and_bad_modes_are_named():
     assert torch.isfinite(want).all() and torch.equal(tower(x), want)
     with pytest.raises(ValueError, match="model.residual_norm='on' is not one of auto, fused, unfused"):
         set_residual_norm(tower, "on")
+
+
+@pytest.mark.parametrize(("policy", "chain_blocks", "chained"), [
+    ("none", True, True), ("full", True, False), ("none", False, False)])
+def test_checkpointing_and_fsdp_keep_blocks_apart(monkeypatch, policy, chain_blocks, chained):
+    """A checkpointed block would keep its ln_1 input as well as x, and under FSDP2 the next block's norm is
+    still sharded while a block runs: both leave each closing residual to its own block."""
+    calls = counting_calls(monkeypatch)
+    with torch.device("meta"):
+        tower = Transformer(width=16, layers=2, heads=2, mlp_ratio=2.0, ls_init_value=0.1)
+        norm = torch.nn.LayerNorm(16)
+        x = torch.randn(2, 5, 16, requires_grad=True)
+    set_residual_norm(tower, "fused")
+    tower.set_checkpointing(policy)
+    tower.chain_blocks = chain_blocks
+    tower(x, final_norm=norm)
+    assert len(calls) == (4 if chained else 2)

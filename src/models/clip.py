@@ -66,7 +66,7 @@ class CLIP(nn.Module):
     def text_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, L, text width): every token's final hidden state."""
         x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
-        return self.ln_final(self.transformer(x, causal=True))
+        return self.transformer(x, causal=True, final_norm=self.ln_final)
 
     def pool_text(self, x: torch.Tensor, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """The caption embedding from `text_tokens`' output: the end-of-text token's state, projected."""

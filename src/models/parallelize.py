@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from src.models.transformer import Block
+from src.models.transformer import Block, Transformer
 
 
 def blocks(model: nn.Module) -> list[Block]:
@@ -40,6 +40,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
 
     fully_shard cannot shard 0-dim parameters (the logit scale), so they stay whole on every rank and a hook
     averages their gradients over the mesh as DDP would."""
+    for tower in model.modules():
+        if isinstance(tower, Transformer):
+            tower.chain_blocks = False  # the next block's norm is still sharded while a block runs
     for block in blocks(model):
         fully_shard(block, mesh=mesh)
     scalars = [p for p in model.parameters() if p.ndim == 0]

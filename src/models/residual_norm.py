@@ -1,6 +1,7 @@
-"""The middle of a transformer block, x1 = x + γ·a and y = LayerNorm(x1), forward and backward in one Triton
-kernel each, for `model.residual_norm` (`auto` takes them on a GPU at widths of at least 1024; `fused`
-everywhere they run).
+"""A residual add and the LayerNorm after it, x1 = x + γ·a and y = LayerNorm(x1), forward and backward in one
+Triton kernel each, for `model.residual_norm` (`auto` takes them on a GPU at widths of at least 1024; `fused`
+everywhere they run): in the middle of each transformer block (x + ls_1(attention), then ln_2), and, where
+Transformer.forward chains the blocks, at the end of each (x + ls_2(MLP), then the next block's ln_1).
 
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
 and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
@@ -79,10 +80,11 @@ if triton is not None:
             tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
     @triton.jit
-    def _backward_kernel(grad_x1_ptr, grad_y_ptr, x_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
+    def _backward_kernel(grad_x1_ptr, grad_y_ptr, stream_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
                          da_ptr, partial_ptr, rows, width, programs, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
-                         HAS_GRAD_X1: tl.constexpr):
-        """dx and da per row; per program, its partial column sums of dγ, dw and db ([3, programs, width])."""
+                         HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr):
+        """dx and da per row; per program, its partial column sums of dγ, dw and db ([3, programs, width]).
+        The saved stream is x1 where STREAM_IS_SUM, else x (and x1 = x + γ·a is formed again)."""
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
         gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
@@ -98,7 +100,9 @@ if triton is not None:
             mean = tl.load(mean_ptr + row, mask=row < rows, other=0.0)
             rstd = tl.load(rstd_ptr + row, mask=row < rows, other=0.0)
             a = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + offsets, mask=mask, other=0.0) + a * gamma
+            x1 = tl.load(stream_ptr + offsets, mask=mask, other=0.0)
+            if not STREAM_IS_SUM:
+                x1 += a * gamma
             x_hat = tl.where(mask, (x1 - mean) * rstd, 0.0)
             grad_x_hat = grad_y * w
             dx = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat) / width) - tl.sum(grad_x_hat) / width)
@@ -122,8 +126,9 @@ def _grid(rows: int) -> int:
 
 @torch.library.custom_op("stableclip::residual_norm_forward", mutates_args=())
 def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (float32 or 16 bits)."""
+             eps: float, save_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (float32 or 16 bits); `save_sum` says what
+    the autograd context keeps, not what is computed."""
     rows, width = x.shape
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
@@ -133,59 +138,62 @@ def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torc
 
 
 @_forward.register_fake
-def _(x, a, gamma, weight, bias, eps):
+def _(x, a, gamma, weight, bias, eps, save_sum):
     return torch.empty_like(x), torch.empty_like(a), x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
 
 
 @torch.library.custom_op("stableclip::residual_norm_backward", mutates_args=())
-def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
-              gamma: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.Tensor, a: torch.Tensor,
+              gamma: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, stream_is_sum: bool,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, da, dγ, dw, db)."""
-    rows, width = x.shape
+    """(dx, da, dγ, dw, db), from the saved residual stream: x1 where `stream_is_sum`, else x."""
+    rows, width = stream.shape
     programs = _grid(rows)
-    dx, da = torch.empty_like(x), torch.empty_like(a)
-    partial = x.new_empty(3, programs, width)
-    _backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, x, a, gamma, weight, mean, rstd,
+    dx, da = torch.empty_like(stream), torch.empty_like(a)
+    partial = stream.new_empty(3, programs, width)
+    _backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a, gamma, weight, mean, rstd,
                                   dx, da, partial, rows, width, programs, BLOCK_W=triton.next_power_of_2(width),
-                                  ROWS=ROWS, HAS_GRAD_X1=grad_x1 is not None, num_warps=4)
+                                  ROWS=ROWS, HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
+                                  num_warps=4)
     dgamma, dweight, dbias = (part.sum(0) for part in partial)  # a fixed order: deterministic
     return dx, da, dgamma, dweight, dbias
 
 
 @_backward.register_fake
-def _(grad_x1, grad_y, x, a, gamma, weight, mean, rstd):
-    width = x.shape[1]
-    return (torch.empty_like(x), torch.empty_like(a), x.new_empty(width), x.new_empty(width),
-            x.new_empty(width))
+def _(grad_x1, grad_y, stream, a, gamma, weight, mean, rstd, stream_is_sum):
+    width = stream.shape[1]
+    return (torch.empty_like(stream), torch.empty_like(a), stream.new_empty(width), stream.new_empty(width),
+            stream.new_empty(width))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    # x, not x1: x is the block's input, kept anyway for the first LayerNorm's backward, where x1 would be
-    # 4 bytes per activation more (12 GiB on a ViT-H/14 step at batch 256); the backward adds γ·a again.
-    x, a, gamma, weight, bias, eps = inputs
-    _, _, mean, rstd = output
-    ctx.save_for_backward(x, a, gamma, weight, mean, rstd)
+    # One float32 stream tensor is kept, whichever is kept anyway (residual_norm's save_sum says which): saving
+    # both would cost 4 bytes per activation more (12 GiB on a ViT-H/14 step at batch 256).
+    x, a, gamma, weight, bias, eps, save_sum = inputs
+    x1, _, mean, rstd = output
+    ctx.save_sum = save_sum
+    ctx.save_for_backward(x1 if save_sum else x, a, gamma, weight, mean, rstd)
 
 
 def _grads(ctx, grad_x1, grad_y, _grad_mean, _grad_rstd):
-    x, a, gamma, weight, mean, rstd = ctx.saved_tensors
-    dx, da, dgamma, dweight, dbias = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), x, a, gamma, weight,
-                                               mean, rstd)
-    return dx, da, dgamma, dweight, dbias, None
+    stream, a, gamma, weight, mean, rstd = ctx.saved_tensors
+    dx, da, dgamma, dweight, dbias = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), stream, a, gamma, weight,
+                                               mean, rstd, ctx.save_sum)
+    return dx, da, dgamma, dweight, dbias, None, None
 
 
 _forward.register_autograd(_grads, setup_context=_setup_context)
 
 
 def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+                  bias: torch.Tensor, eps: float = 1e-5, save_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x1, y) = (x + γ·a, LayerNorm(x1) in a's dtype) over the last dimension, for x [..., width] float32 and a
-    of x's shape in float32 or 16 bits; γ, weight and bias [width] float32."""
+    of x's shape in float32 or 16 bits; γ, weight and bias [width] float32. For the backward it keeps x, or x1
+    where `save_sum`: in a block, x is the block's input and x1 the next block's, which are kept anyway."""
     reason = unsupported_reason(x, a)
     if reason is not None:
         raise ValueError(f"model.residual_norm=fused cannot run here: {reason}; or set it to auto or unfused")
     width = x.shape[-1]
     x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), gamma, weight,
-                           bias, eps)
+                           bias, eps, save_sum)
     return x1.view(x.shape), y.view(a.shape)

@@ -189,30 +189,45 @@ class Block(nn.Module):
         self.checkpoint_policy = "none"  # one of CHECKPOINT_POLICIES; Transformer.set_checkpointing sets it
         self.residual_norm = "auto"  # one of residual_norm.MODES; set_residual_norm sets it
 
-    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, causal: bool = False, normed: torch.Tensor | None = None,
+                next_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for input x. In a chain of blocks (Transformer.forward), `normed` is this block's
+        ln_1(x), computed by the block before, and `next_norm` the (weight, bias, eps) of the norm after this
+        block: the block then returns (output, that norm of it), its closing residual and the next norm in
+        one kernel."""
         # The checkpoint sits inside the block so that a compiled block (parallelize.apply_compile) traces it
         # and the selective policy marks ops of the compiled graph. Around a compiled block, selective
         # checkpointing would see TorchInductor's code as one op and recompute all of it, as `full` does.
         # `training` is read first so that evaluation never reads the policy: a compiled block then has one
         # evaluation graph, whatever the policies of the blocks sharing its code.
         if not self.training or self.checkpoint_policy == "none":
-            return self._forward(x, causal)
+            return self._forward(x, causal, normed, next_norm)
         if self.checkpoint_policy == "full":
             # No context_fn at all: TorchDynamo rejects torch's own noop_context_fn as one.
-            return checkpoint(self._forward, x, causal, use_reentrant=False)
-        return checkpoint(self._forward, x, causal, use_reentrant=False, context_fn=_selective_contexts,
-                          **_RESPECT_HOOKS)
+            return checkpoint(self._forward, x, causal, normed, next_norm, use_reentrant=False)
+        return checkpoint(self._forward, x, causal, normed, next_norm, use_reentrant=False,
+                          context_fn=_selective_contexts, **_RESPECT_HOOKS)
 
-    def _forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
-        branch = self.attn(self.ln_1(x), causal=causal)
+    def _forward(self, x: torch.Tensor, causal: bool, normed: torch.Tensor | None,
+                 next_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        branch = self.attn(self.ln_1(x) if normed is None else normed, causal=causal)
         if self.residual_norm == "fused" or (self.residual_norm == "auto" and residual_norm.applies(x, branch)):
-            gamma = self.ls_1.gamma if isinstance(self.ls_1, LayerScale) else torch.ones_like(self.ln_2.weight)
-            x, normed = residual_norm.residual_norm(x, branch, gamma, self.ln_2.weight, self.ln_2.bias,
-                                                    self.ln_2.eps)
+            x, normed = residual_norm.residual_norm(x, branch, self._gamma(self.ls_1), self.ln_2.weight,
+                                                    self.ln_2.bias, self.ln_2.eps)
         else:
             x = x + self.ls_1(branch)
             normed = self.ln_2(x)
-        return x + self.ls_2(self.mlp(normed))
+        branch = self.mlp(normed)
+        if next_norm is None:
+            return x + self.ls_2(branch)
+        # The sum is this block's output, the next block's input, which that block's backward keeps anyway.
+        return residual_norm.residual_norm(x, branch, self._gamma(self.ls_2), *next_norm, save_sum=True)
+
+    def _gamma(self, scale: nn.Module) -> torch.Tensor:
+        """A residual branch's layer-scale gain for the fused kernels (ones where the model has none)."""
+        return scale.gamma if isinstance(scale, LayerScale) else torch.ones_like(self.ln_2.weight)
 
 
 class Transformer(nn.Module):
@@ -227,6 +242,9 @@ class Transformer(nn.Module):
             Block(width, heads, mlp_ratio, ls_init_value, quick_gelu) for _ in range(layers)
         )
         self.set_checkpointing("none")
+        # Blocks may chain (forward) only where each block's parameters are whole tensors throughout the
+        # forward pass: parallelize.apply_fsdp turns this off, since FSDP2 gathers one block's at a time.
+        self.chain_blocks = True
 
     def set_checkpointing(self, policy: str, every: int = 1) -> None:
         """Checkpoint blocks 0, every, 2*every, ... in training with `policy` (one of CHECKPOINT_POLICIES);
@@ -274,7 +292,22 @@ class Transformer(nn.Module):
                 if isinstance(scale, LayerScale):
                     scale.init_weights()
 
-    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, causal: bool = False, final_norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """The blocks, then `final_norm` (the tower's norm after them) where given. Where the fused residual
+        kernels run in every block (`model.residual_norm`) and no block is checkpointed, the blocks run as a
+        chain: each block's closing residual and the norm after it (the next block's ln_1, or `final_norm`)
+        are one kernel, whose output is then 16-bit under autocast, as the next matmul would round it."""
+        if self._chains(x, final_norm):
+            normed = self.resblocks[0].ln_1(x)
+            for block, norm in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
+                x, normed = block(x, causal, normed, (norm.weight, norm.bias, norm.eps))
+            return normed
         for block in self.resblocks:
             x = block(x, causal=causal)
-        return x
+        return x if final_norm is None else final_norm(x)
+
+    def _chains(self, x: torch.Tensor, final_norm: nn.LayerNorm | None) -> bool:
+        modes = {block.residual_norm for block in self.resblocks}
+        fused = modes == {"fused"} or (modes == {"auto"} and residual_norm.applies(x, x))
+        checkpointed = self.training and any(block.checkpoint_policy != "none" for block in self.resblocks)
+        return self.chain_blocks and final_norm is not None and len(self.resblocks) > 0 and fused and not checkpointed

@@ -77,7 +77,7 @@ class VisionTransformer(nn.Module):
         cls_token = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls_token, x], dim=1) + self.positional_embedding.to(x.dtype)
         x = self.ln_pre(self.patch_dropout(x))
-        return self.ln_post(self.transformer(x))
+        return self.transformer(x, final_norm=self.ln_post)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.tokens(images)[:, 0] @ self.proj

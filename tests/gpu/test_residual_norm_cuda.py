@@ -15,7 +15,8 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("width", [768, 1024, 1280])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matches_float64_and_is_deterministic(width, dtype):
+@pytest.mark.parametrize("save_sum", [False, True])
+def test_matches_float64_and_is_deterministic(width, dtype, save_sum):
     from src.models.residual_norm import residual_norm
 
     torch.manual_seed(width)
@@ -27,7 +28,7 @@ def test_matches_float64_and_is_deterministic(width, dtype):
 
     def run():
         leaves = [t.clone().requires_grad_() for t in (x, a, *params)]
-        x1, y = residual_norm(*leaves)
+        x1, y = residual_norm(*leaves, save_sum=save_sum)
         torch.autograd.backward([x1, y], [grad_x1, grad_y])
         return [x1, y] + [leaf.grad for leaf in leaves]
 
@@ -54,3 +55,37 @@ def test_auto_takes_the_kernels_from_1024_features(monkeypatch, width, fused):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         tower(torch.randn(2, 7, width, device="cuda"))
     assert bool(calls) == fused
+
+
+def test_chained_blocks_train_like_unfused_ones(monkeypatch):
+    """`auto` at width 1024 with a final norm: the blocks chain (each closing residual fused with the next
+    norm) and land as close to float64 as the unfused blocks, output and every gradient."""
+    from src.models import residual_norm as rn
+    from src.models.transformer import Transformer, set_residual_norm
+
+    calls, original = [], rn.residual_norm
+    monkeypatch.setattr(rn, "residual_norm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+
+    def run(mode: str, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        tower = Transformer(width=1024, layers=3, heads=16, mlp_ratio=4.0, ls_init_value=0.5).cuda()
+        tower.init_weights()
+        final_norm = torch.nn.LayerNorm(1024).cuda()
+        set_residual_norm(tower, mode)
+        x = torch.randn(4, 257, 1024, device="cuda")
+        if dtype is None:
+            tower, final_norm, x = tower.double(), final_norm.double(), x.double()
+        x.requires_grad_()
+        # The chain writes the final norm in 16 bits: a projection after the tower, as in CLIP's towers, takes
+        # it in 16 bits under autocast either way.
+        projection = torch.randn(1024, 64, device="cuda", dtype=x.dtype) / 32
+        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = tower(x, final_norm=final_norm) @ projection
+        out.double().square().mean().backward()
+        return [out, x.grad] + [p.grad for p in (*tower.parameters(), *final_norm.parameters())]
+
+    exact, unfused, chained = run("unfused", None), run("unfused", torch.bfloat16), run("auto", torch.bfloat16)
+    assert len(calls) == 6  # per block: the middle residual with ln_2, the closing one with the next norm
+    for want, theirs, ours in zip(exact, unfused, chained):
+        assert rel_error(ours, want) <= 2 * rel_error(theirs, want) + 1e-3, (rel_error(ours, want),
+                                                                             rel_error(theirs, want))
