@@ -1,10 +1,11 @@
-"""The middle of a transformer block, x1 = x + γ·a and y = LayerNorm(x1), forward + backward, one H200: the same
+"""A residual add and the LayerNorm after it, x1 = x + γ·a and y = LayerNorm(x1), forward + backward, one H200: the same
 ops compiled by TorchInductor against our fused kernels (src/models/residual_norm.py), taking turns in the
-same rounds, at the image towers' shapes.
+same rounds, at both towers' shapes.
 
-    python bench/residual_norm.py [--iters 10] [--rounds 3] [--rows 32 16 ...]
+    python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8 ...]
 
-`--rows` times our kernels at each number of rows per program (residual_norm.ROWS), in the same rounds. The
+`--configs` times our kernels at each ROWS,WARPS pair (rows and warps per program: residual_norm.ROWS and
+.WARPS), in the same rounds. The
 bound beside them: the bytes the fused kernels must move (forward: read x, a; write x1, y; backward: read the
 two gradients, x, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
 """
@@ -24,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.switchback import interleaved_ms  # noqa: E402
 from src.models import residual_norm as rn  # noqa: E402
 
-# (what, tokens, width): the image towers at the throughput benchmark's batches
+# (what, tokens, width): both towers at the throughput benchmark's batches
 SHAPES = [("ViT-B/32 image tower", 1024 * 50, 768), ("ViT-L/14 image tower", 256 * 257, 1024),
-          ("ViT-H/14 image tower", 256 * 257, 1280)]
+          ("ViT-H/14 image tower", 256 * 257, 1280), ("ViT-B/32 text tower", 1024 * 77, 512),
+          ("ViT-L/14 text tower", 256 * 77, 768), ("ViT-H/14 text tower", 256 * 77, 1024)]
 BYTES_PER_ELEMENT = (4 + 2 + 4 + 2) + (4 + 2 + 4 + 2 + 4 + 2)  # forward, backward (float32 stream, bf16 branch)
 
 
@@ -35,10 +37,10 @@ def unfused(x, a, gamma, weight, bias):
     return x1, F.layer_norm(x1, (x.shape[-1],), weight, bias, 1e-5).to(a.dtype)
 
 
-def step(fn, leaves, grads, rows: int | None = None):
+def step(fn, leaves, grads, config: tuple[int, int] | None = None):
     def run():
-        if rows is not None:
-            rn.ROWS = rows
+        if config is not None:
+            rn.ROWS, rn.WARPS = config
         torch.autograd.backward(fn(*leaves), grads)
     return run
 
@@ -47,7 +49,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", type=int, nargs="+", default=[rn.ROWS], help="rows per program to time")
+    parser.add_argument("--configs", nargs="+", default=[f"{rn.ROWS},{rn.WARPS}"], metavar="ROWS,WARPS",
+                        help="launch settings of our kernels to time")
     parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s for the bound (H200: 4.8 peak)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -61,7 +64,8 @@ def main() -> int:
         leaves = [t.requires_grad_() for t in leaves]
         grads = [torch.randn(tokens, width, device="cuda"),
                  torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)]
-        ours = {f"ours rows={rows}": step(rn.residual_norm, leaves, grads, rows) for rows in args.rows}
+        ours = {f"ours {config}": step(rn.residual_norm, leaves, grads, tuple(map(int, config.split(","))))
+                for config in args.configs}
         ms = interleaved_ms({"inductor": step(torch.compile(unfused), leaves, grads), **ours}, args.iters,
                             args.rounds)
         print(json.dumps({"shape": what, "tokens": tokens, "width": width,

@@ -28,6 +28,7 @@ except ImportError:
 from src.triton_interpreter import interpreting
 
 ROWS = 32  # rows per program: fewer partial column sums to write and add, against fewer programs in flight
+WARPS = 4  # warps per program (bench/residual_norm.py --configs times others)
 MODES = ("auto", "fused", "unfused")
 # `auto`'s narrowest width: on an H200 (bench/residual_norm.py, forward + backward) the kernels ran 1.42x as fast
 # as Inductor's code at width 1024 and 1.27x at 1280, but 0.92x at 768.
@@ -133,7 +134,7 @@ def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torc
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
     _forward_kernel[(_grid(rows),)](x, a, gamma, weight, bias, x1, y, mean, rstd, rows, width, eps,
-                                    BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, num_warps=4)
+                                    BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, num_warps=WARPS)
     return x1, y, mean, rstd
 
 
@@ -154,7 +155,7 @@ def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.
     _backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a, gamma, weight, mean, rstd,
                                   dx, da, partial, rows, width, programs, BLOCK_W=triton.next_power_of_2(width),
                                   ROWS=ROWS, HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
-                                  num_warps=4)
+                                  num_warps=WARPS)
     dgamma, dweight, dbias = (part.sum(0) for part in partial)  # a fixed order: deterministic
     return dx, da, dgamma, dweight, dbias
 
