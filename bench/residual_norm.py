@@ -1,6 +1,6 @@
-"""A residual add and the LayerNorm after it, x1 = x + γ·a and y = LayerNorm(x1), forward + backward, one H200: the same
-ops compiled by TorchInductor against our fused kernels (src/models/residual_norm.py), taking turns in the
-same rounds, at both towers' shapes.
+"""A residual add and the LayerNorm after it, x1 = x + γ·a and y = LayerNorm(x1), forward + backward, one
+H200: the same ops compiled by TorchInductor against our fused kernels (src/models/residual_norm.py), taking
+turns in the same rounds, at both towers' shapes.
 
     python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8 ...]
 
