@@ -107,7 +107,7 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, 
     computation, output and every gradient, as the unfused blocks do (both round to bf16 in many places, so they
     differ from each other by up to about 2% of the largest value). Chained (a final norm given): each closing
     residual is fused with the next block's ln_1, the last with the final norm."""
-    calls = counting_calls(monkeypatch)
+    calls, normed_dtypes = counting_calls(monkeypatch), []
 
     def run(fused: bool, dtype: torch.dtype | None) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -118,6 +118,9 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, 
             final_norm.weight.uniform_(0.5, 1.5)
             final_norm.bias.uniform_(-0.5, 0.5)
         set_residual_norm(transformer, "fused" if fused else "unfused")
+        for block in transformer.resblocks:
+            block.register_forward_pre_hook(lambda _, args: normed_dtypes.append(args[2].dtype) if len(args) > 2
+                                            else None)
         x = torch.randn(3, 7, 32)
         if dtype is None:
             transformer, final_norm, x = transformer.double(), final_norm.double(), x.double()
@@ -133,8 +136,11 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, 
 
     exact, unfused = run(False, None), run(False, torch.bfloat16)
     assert not calls
+    normed_dtypes.clear()
     fused = run(True, torch.bfloat16)
     assert len(calls) == (6 if chained else 3)
+    # One dtype for every block's normed input, the first block's included: one compiled graph for all.
+    assert normed_dtypes == ([torch.bfloat16] * 3 if chained else [])
     assert len(fused) == len(exact) == len(unfused)
     for want, theirs, ours in zip(exact, unfused, fused):
         assert rel_error(ours, want) <= 2 * rel_error(theirs, want) + 1e-3, (rel_error(ours, want),

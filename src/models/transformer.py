@@ -299,6 +299,11 @@ class Transformer(nn.Module):
         are one kernel, whose output is then 16-bit under autocast, as the next matmul would round it."""
         if self._chains(x, final_norm):
             normed = self.resblocks[0].ln_1(x)
+            device = x.device.type
+            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+                # Autocast leaves LayerNorm's output in float32, the fused kernels' in 16 bits: one dtype for
+                # every block's `normed` keeps one compiled graph for all of them (the QKV matmul casts anyway).
+                normed = normed.to(torch.get_autocast_dtype(device))
             for block, norm in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
                 x, normed = block(x, causal, normed, (norm.weight, norm.bias, norm.eps))
             return normed
