@@ -176,3 +176,33 @@ def test_checkpointing_and_fsdp_keep_blocks_apart(monkeypatch, policy, chain_blo
     tower.chain_blocks = chain_blocks
     tower(x, final_norm=norm)
     assert len(calls) == (4 if chained else 2)
+
+
+@interpreted
+def test_compiled_chained_blocks_share_one_graph_and_match_eager():
+    """train.py's regional compilation of a chained tower: every block takes its neighbour's norm parameters as
+    inputs and still runs the one compiled graph (a recompile per block would exhaust Dynamo's cache and fall
+    back to eager), with the eager chain's output and gradients."""
+    from src.models.parallelize import apply_compile
+
+    def run(tower: Transformer, final_norm: torch.nn.LayerNorm) -> list[torch.Tensor]:
+        x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = tower(x, final_norm=final_norm)
+        out.square().mean().backward()
+        return [out, x.grad] + [p.grad for p in (*tower.parameters(), *final_norm.parameters())]
+
+    torch.manual_seed(0)
+    eager, compiled = (Transformer(width=32, layers=3, heads=2, mlp_ratio=2.0, ls_init_value=0.5) for _ in "ab")
+    eager.init_weights()
+    compiled.load_state_dict(eager.state_dict())
+    norms = torch.nn.LayerNorm(32), torch.nn.LayerNorm(32)
+    for tower in (eager, compiled):
+        set_residual_norm(tower, "fused")
+    want = run(eager, norms[0])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert apply_compile(compiled) == 3
+    got = run(compiled, norms[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
