@@ -300,7 +300,8 @@ class Transformer(nn.Module):
         if self._chains(x, final_norm):
             normed = self.resblocks[0].ln_1(x)
             device = x.device.type
-            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            # As switchback_linear tests it (torch 2.11's TorchDynamo cannot trace is_autocast_available).
+            if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
                 # Autocast leaves LayerNorm's output in float32, the fused kernels' in 16 bits: one dtype for
                 # every block's `normed` keeps one compiled graph for all of them (the QKV matmul casts anyway).
                 normed = normed.to(torch.get_autocast_dtype(device))
