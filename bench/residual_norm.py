@@ -2,10 +2,11 @@
 H200: the same ops compiled by TorchInductor against our fused kernels (src/models/residual_norm.py), taking
 turns in the same rounds, at both towers' shapes.
 
-    python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8 ...]
+    python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8,2 ...]
 
-`--configs` times our kernels at each ROWS,WARPS pair (rows and warps per program: residual_norm.ROWS and
-.WARPS), in the same rounds. The
+`--configs` times our kernels at each ROWS,WARPS[,TILE_ROWS] (rows and warps per program, rows loaded at once:
+residual_norm.ROWS, .WARPS, .TILE_ROWS; bench/kernel_resources.py --residual-norm shows their registers), in the
+same rounds. The
 bound beside them: the bytes the fused kernels must move (forward: read x, a; write x1, y; backward: read the
 two gradients, x, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
 """
@@ -37,10 +38,10 @@ def unfused(x, a, gamma, weight, bias):
     return x1, F.layer_norm(x1, (x.shape[-1],), weight, bias, 1e-5).to(a.dtype)
 
 
-def step(fn, leaves, grads, config: tuple[int, int] | None = None):
+def step(fn, leaves, grads, config: tuple[int, ...] | None = None):
     def run():
         if config is not None:
-            rn.ROWS, rn.WARPS = config
+            rn.ROWS, rn.WARPS, rn.TILE_ROWS = (*config, 1)[:3]
         torch.autograd.backward(fn(*leaves), grads)
     return run
 
@@ -49,7 +50,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", default=[f"{rn.ROWS},{rn.WARPS}"], metavar="ROWS,WARPS",
+    parser.add_argument("--configs", nargs="+", default=[f"{rn.ROWS},{rn.WARPS},{rn.TILE_ROWS}"],
+                        metavar="ROWS,WARPS[,TILE_ROWS]",
                         help="launch settings of our kernels to time")
     parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s for the bound (H200: 4.8 peak)")
     args = parser.parse_args()

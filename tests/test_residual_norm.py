@@ -1,6 +1,11 @@
 """The fused residual + LayerNorm (src/models/residual_norm.py) against PyTorch's ops in float64, forward and
 backward, on the CPU through Triton's interpreter (tests/interpreter_harness.py says how)."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,13 +35,16 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @interpreted
-@pytest.mark.parametrize(("rows", "width", "rows_per_program"), [(70, 48, 32), (5, 80, 32), (33, 64, 4), (9, 3, 4)])
+@pytest.mark.parametrize(("rows", "width", "rows_per_program", "tile_rows"),
+                         [(70, 48, 32, 1), (5, 80, 32, 4), (33, 64, 4, 2), (9, 3, 4, 4), (70, 48, 32, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("save_sum", [False, True])
-def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, dtype, save_sum):
+def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, tile_rows, dtype, save_sum):
     """Widths that fill the row block and ones that leave it part empty; rows that leave the last program part
-    empty; several programs' partial column sums; the backward from x or from x1."""
+    empty; several programs' partial column sums; the backward from x or from x1; rows taken one or several at
+    a time."""
     monkeypatch.setattr(rn, "ROWS", rows_per_program)
+    monkeypatch.setattr(rn, "TILE_ROWS", tile_rows)
     x, a, gamma, weight, bias = inputs(rows, width, dtype)
     leaves = [t.clone().requires_grad_() for t in (x, a, gamma, weight, bias)]
     x1, y = rn.residual_norm(*leaves, eps=1e-5, save_sum=save_sum)
@@ -58,6 +66,13 @@ def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_
 
 
 @interpreted
+@interpreted
+def test_refuses_tile_rows_that_do_not_divide_the_rows_per_program(monkeypatch):
+    monkeypatch.setattr(rn, "TILE_ROWS", 3)
+    with pytest.raises(ValueError, match="residual_norm.TILE_ROWS=3 must be a power of 2 that divides ROWS=32"):
+        rn.residual_norm(*inputs(4, 8))
+
+
 def test_ops_pass_opcheck():
     x, a, gamma, weight, bias = inputs(6, 16)
     torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default, (x, a, gamma, weight, bias, 1e-5, True),
@@ -206,3 +221,17 @@ def test_compiled_chained_blocks_share_one_graph_and_match_eager():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for the GPU, which the interpreter replaces")
+def test_kernel_resources_compile_for_sm90_without_a_gpu():
+    """bench/kernel_resources.py --residual-norm compiles both kernels for an H100/H200 on this CPU and reports
+    their registers and spills: how a launch setting is checked before it is timed."""
+    result = subprocess.run([sys.executable, "bench/kernel_resources.py", "--residual-norm", "--configs", "32,8,2",
+                             "--widths", "1280"], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["kernel"] for row in rows] == ["forward", "backward"]
+    for row in rows:
+        assert 0 < row["registers"] <= 255 and row["spill_stack_bytes"] >= 0
