@@ -66,13 +66,13 @@ def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_
 
 
 @interpreted
-@interpreted
 def test_refuses_tile_rows_that_do_not_divide_the_rows_per_program(monkeypatch):
     monkeypatch.setattr(rn, "TILE_ROWS", 3)
     with pytest.raises(ValueError, match="residual_norm.TILE_ROWS=3 must be a power of 2 that divides ROWS=32"):
         rn.residual_norm(*inputs(4, 8))
 
 
+@interpreted
 def test_ops_pass_opcheck():
     x, a, gamma, weight, bias = inputs(6, 16)
     torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default, (x, a, gamma, weight, bias, 1e-5, True),
@@ -144,7 +144,9 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, 
         # which the chain's final norm writes and the unfused path's norm leaves to the matmul's cast.
         projection = torch.randn(32, 8, dtype=x.dtype) / 32**0.5
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            out = transformer(x, final_norm=final_norm if chained else None) @ projection
+            out = transformer(x, final_norm=final_norm if chained else None)
+            assert out.dtype == x.dtype  # as LayerNorm's output under autocast, chained or not
+            out = out @ projection
         out.double().square().mean().backward()
         return [out, x.grad] + [p.grad for p in (*transformer.parameters(), *final_norm.parameters())
                                 if p.grad is not None]

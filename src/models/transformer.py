@@ -296,7 +296,8 @@ class Transformer(nn.Module):
         """The blocks, then `final_norm` (the tower's norm after them) where given. Where the fused residual
         kernels run in every block (`model.residual_norm`) and no block is checkpointed, the blocks run as a
         chain: each block's closing residual and the norm after it (the next block's ln_1, or `final_norm`)
-        are one kernel, whose output is then 16-bit under autocast, as the next matmul would round it."""
+        are one kernel. Its output has the 16-bit precision of the autocast dtype, which the matmul after it
+        would round to anyway; the tower's output keeps the input's dtype, as LayerNorm's under autocast."""
         if self._chains(x, final_norm):
             normed = self.resblocks[0].ln_1(x)
             device = x.device.type
@@ -307,7 +308,7 @@ class Transformer(nn.Module):
                 normed = normed.to(torch.get_autocast_dtype(device))
             for block, norm in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
                 x, normed = block(x, causal, normed, (norm.weight, norm.bias, norm.eps))
-            return normed
+            return normed.to(x.dtype)
         for block in self.resblocks:
             x = block(x, causal=causal)
         return x if final_norm is None else final_norm(x)
