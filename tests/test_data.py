@@ -299,3 +299,20 @@ def test_default_num_workers_leaves_a_quarter_of_each_ranks_cpus(monkeypatch, cp
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     assert default_num_workers() == workers
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_image_normalizer_gives_the_float32_values_rounded_to_its_dtype(compile):
+    """In training the normalizer writes the autocast dtype: the values the patch embedding's matmul would
+    round the float32 images to, compiled into one kernel or not."""
+    from src.data.image_text import ImageNormalizer
+
+    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    exact = ImageNormalizer(torch.device("cpu"))(images)
+    assert exact.dtype == torch.float32
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+    torch.testing.assert_close(exact, (images / 255 - mean) / std)
+    rounded = ImageNormalizer(torch.device("cpu"), dtype=torch.bfloat16, compile=compile)(images)
+    assert rounded.dtype == torch.bfloat16
+    torch.testing.assert_close(rounded, exact.to(torch.bfloat16), atol=0, rtol=2 ** -8)

@@ -101,7 +101,8 @@ class Trainer:
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
         )
         self.loader = self.build_loader()
-        self.normalize = ImageNormalizer(self.device)
+        self.normalize = ImageNormalizer(self.device, dtype=self.autocast_dtype or torch.float32,
+                                         compile=cfg.trainer.compile)
         self.patch_embed = dict(self.model.named_parameters())[self.patch_embed_name]
         self.spikes = SpikeDetector(cfg.spikes)
         self.step = 0
