@@ -26,8 +26,8 @@ def kernel_ms_per_step(path: str) -> collections.Counter:
 
 # First match wins; names as CUDA, cuBLAS, cuDNN, Inductor and our Triton kernels call themselves.
 KERNEL_GROUPS = (
-    ("attention", re.compile(r"attention|_forward_kernel|_backward_kernel|_grad_query_kernel|_grad_key_kernel|sdpa"
-                             r"|flash|fmha")),
+    ("attention", re.compile(r"attention|_tiled_forward_kernel|_grad_query_kernel|_grad_key_kernel|sdpa|flash|fmha")),
+    ("residual + LayerNorm (our kernels)", re.compile(r"residual_norm")),
     ("SwitchBack quantization", re.compile(r"quantize|absmax")),
     ("Inductor reductions (LayerNorm, sums)", re.compile(r"^triton_(red|per)_")),
     ("Inductor element-wise (GELU, residual, casts)", re.compile(r"^triton_poi_")),

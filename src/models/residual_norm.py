@@ -60,8 +60,9 @@ def unsupported_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, a_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr, rstd_ptr, rows, width, eps,
-                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr):
+    def _residual_norm_forward_kernel(x_ptr, a_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr, rstd_ptr,
+                                      rows, width, eps, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+                                      TILE_ROWS: tl.constexpr):
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
         gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)[None, :]
@@ -82,9 +83,10 @@ if triton is not None:
             tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
     @triton.jit
-    def _backward_kernel(grad_x1_ptr, grad_y_ptr, stream_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
-                         da_ptr, partial_ptr, rows, width, programs, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
-                         TILE_ROWS: tl.constexpr, HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr):
+    def _residual_norm_backward_kernel(grad_x1_ptr, grad_y_ptr, stream_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr,
+                                       rstd_ptr, dx_ptr, da_ptr, partial_ptr, rows, width, programs,
+                                       BLOCK_W: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr,
+                                       HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr):
         """dx and da per row; per program, its partial column sums of dγ, dw and db ([3, programs, width]).
         The saved stream is x1 where STREAM_IS_SUM, else x (and x1 = x + γ·a is formed again)."""
         cols = tl.arange(0, BLOCK_W)
@@ -138,9 +140,9 @@ def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torc
     rows, width = x.shape
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
-    _forward_kernel[(_grid(rows),)](x, a, gamma, weight, bias, x1, y, mean, rstd, rows, width, eps,
-                                    BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, TILE_ROWS=TILE_ROWS,
-                                    num_warps=WARPS)
+    _residual_norm_forward_kernel[(_grid(rows),)](x, a, gamma, weight, bias, x1, y, mean, rstd, rows, width, eps,
+                                                  BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
+                                                  TILE_ROWS=TILE_ROWS, num_warps=WARPS)
     return x1, y, mean, rstd
 
 
@@ -158,11 +160,11 @@ def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.
     programs = _grid(rows)
     dx, da = torch.empty_like(stream), torch.empty_like(a)
     partial = stream.new_empty(3, programs, width)
-    _backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a, gamma, weight, mean, rstd,
-                                  dx, da, partial, rows, width, programs, BLOCK_W=triton.next_power_of_2(width),
-                                  ROWS=ROWS, TILE_ROWS=TILE_ROWS, HAS_GRAD_X1=grad_x1 is not None,
-                                  STREAM_IS_SUM=stream_is_sum,
-                                  num_warps=WARPS)
+    _residual_norm_backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a, gamma,
+                                                weight, mean, rstd, dx, da, partial, rows, width, programs,
+                                                BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, TILE_ROWS=TILE_ROWS,
+                                                HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
+                                                num_warps=WARPS)
     dgamma, dweight, dbias = (part.sum(0) for part in partial)  # a fixed order: deterministic
     return dx, da, dgamma, dweight, dbias
 

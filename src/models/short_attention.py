@@ -105,7 +105,7 @@ if triton is not None:
         return tl.where(visible, s, float("-inf"))
 
     @triton.jit
-    def _forward_kernel(
+    def _short_attention_forward_kernel(
         qkv, out, lse, length, heads, head_dim, scale_log2,
         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ):
@@ -125,7 +125,7 @@ if triton is not None:
         tl.store(lse + program.to(tl.int64) * _MAX_LENGTH + rows, row_max + tl.log2(row_sum))
 
     @triton.jit
-    def _backward_kernel(
+    def _short_attention_backward_kernel(
         qkv, out, grad_out, lse, grad_qkv, length, heads, head_dim, scale, scale_log2,
         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ):
@@ -170,7 +170,7 @@ def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor,
     out = qkv.new_empty(batch, length, width)
     lse = torch.empty(batch * heads, MAX_LENGTH, device=qkv.device, dtype=torch.float32)
     scale = head_dim ** -0.5
-    _forward_kernel[(batch * heads,)](
+    _short_attention_forward_kernel[(batch * heads,)](
         qkv, out, lse, length, heads, head_dim, scale * math.log2(math.e),
         BLOCK=block, BLOCK_D=block_d, CAUSAL=causal, num_warps=warps,
     )
@@ -193,7 +193,7 @@ def _backward(
     block, block_d, warps = _launch_config(length, head_dim)
     grad_qkv = torch.empty_like(qkv)
     scale = head_dim ** -0.5
-    _backward_kernel[(batch * heads,)](
+    _short_attention_backward_kernel[(batch * heads,)](
         qkv, out, grad_out, lse, grad_qkv, length, heads, head_dim, scale, scale * math.log2(math.e),
         BLOCK=block, BLOCK_D=block_d, CAUSAL=causal, num_warps=warps,
     )
