@@ -47,7 +47,8 @@ def test_kernel_table_groups_kernels_by_kind(tmp_path):
     names_us = {"_tiled_grad_key_kernel": 900, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": 1800,
                 "triton_red_fused_native_layer_norm_1": 300, "triton_poi_fused_gelu_3": 600,
                 "void at::native::multi_tensor_apply_kernel<": 1500, "Memcpy DtoD": 600, "mystery": 300,
-                "_quantize_rows_kernel": 600}
+                "_quantize_rows_kernel": 600, "_short_attention_backward_kernel": 300,
+                "_residual_norm_backward_kernel": 300}
     events = [{"ph": "X", "cat": "kernel", "name": name, "dur": us} for name, us in names_us.items()]
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
     result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "trace.json"), "--groups"],
@@ -55,7 +56,8 @@ def test_kernel_table_groups_kernels_by_kind(tmp_path):
     assert result.returncode == 0, result.stderr
     groups = {line.split("%", 1)[1].strip(): float(line.split()[0]) for line in result.stdout.splitlines()
               if "%" in line}
-    assert groups == {"matmul": 0.6, "attention": 0.3, "Inductor element-wise (GELU, residual, casts)": 0.2,
+    assert groups == {"matmul": 0.6, "attention": 0.4, "residual + LayerNorm (our kernels)": 0.1,
+                      "Inductor element-wise (GELU, residual, casts)": 0.2,
                       "Inductor reductions (LayerNorm, sums)": 0.1, "optimizer and RMS (multi-tensor)": 0.5,
                       "copies and fills": 0.2, "other": 0.1,
                       "SwitchBack quantization": 0.2}
