@@ -1,8 +1,11 @@
 """Activation checkpointing policies (`model.checkpoint_policy`, `model.checkpoint_every`) of the transformer
 towers: the same loss and gradients as keeping everything, and the memory each policy promises."""
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.models import build_model
 from src.models.clip import CLIP
@@ -135,3 +138,29 @@ def test_bad_config_value_fails_when_the_model_is_built():
     cfg = compose_config(["model=vit_tiny", "data=synthetic_shapes", "model.checkpoint_policy=every_2"]).model
     with pytest.raises(ValueError, match="model.checkpoint_policy='every_2' is not one of none, full, selective"):
         build_model(cfg, "meta")
+
+
+class OpCalls(TorchDispatchMode):
+    """Counts the ops run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("policy", "reruns"), [("selective", False), ("full", True)])
+def test_selective_keeps_switchback_layers_instead_of_rerunning_them(policy, reruns):
+    """A SwitchBack layer is a matmul (a custom op): `selective` keeps its output, as it keeps F.linear's."""
+    cfg = compose_config(["model=vit_tiny", "data=synthetic_shapes", "model.ls_init_value=0.5",
+                          "model.linear=switchback_int8", "model.linear_backend=reference"]).model
+    model = build_model(cfg)
+    for tower in (model.visual.transformer, model.transformer):
+        tower.set_checkpointing(policy)
+    loss = clip_loss(*model(IMAGES, TOKENS))
+    with OpCalls() as counter:
+        loss.backward()
+    assert (counter.calls[torch.ops.stableclip.switchback_forward.default] > 0) == reruns

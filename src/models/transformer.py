@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import src.models.switchback  # noqa: F401  (registers stableclip::switchback_forward, which `selective` keeps)
 from src.models import residual_norm, short_attention, tiled_attention
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
@@ -39,6 +40,7 @@ _SAVED_BY_SELECTIVE = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.stableclip.short_attention_forward.default,
     torch.ops.stableclip.tiled_attention_forward.default,
+    torch.ops.stableclip.switchback_forward.default,
 })
 
 
