@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import src.models.switchback  # noqa: F401  (registers stableclip::switchback_forward, which `selective` keeps)
 from src.models import residual_norm, short_attention, tiled_attention
+from src.models.autocast import autocast_dtype
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
@@ -302,12 +303,11 @@ class Transformer(nn.Module):
         would round to anyway; the tower's output keeps the input's dtype, as LayerNorm's under autocast."""
         if self._chains(x, final_norm):
             normed = self.resblocks[0].ln_1(x)
-            device = x.device.type
-            # As switchback_linear tests it (torch 2.11's TorchDynamo cannot trace is_autocast_available).
-            if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+            dtype = autocast_dtype(x.device)
+            if dtype is not None:
                 # Autocast leaves LayerNorm's output in float32, the fused kernels' in 16 bits: one dtype for
                 # every block's `normed` keeps one compiled graph for all of them (the QKV matmul casts anyway).
-                normed = normed.to(torch.get_autocast_dtype(device))
+                normed = normed.to(dtype)
             for block, norm in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
                 x, normed = block(x, causal, normed, (norm.weight, norm.bias, norm.eps))
             return normed.to(x.dtype)

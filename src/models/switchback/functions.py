@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from src.models.autocast import autocast_dtype
 from src.models.switchback import kernels
 from src.models.switchback import reference as ref
 
@@ -213,11 +214,9 @@ def switchback_linear(
     """`F.linear` with SwitchBack arithmetic. Under autocast the output has the autocast dtype, like F.linear."""
     if variant not in VARIANTS:
         raise ValueError(f"model.linear={variant!r} is not one of {', '.join(VARIANTS)}")
-    device = x.device.type
-    # Not torch.amp.is_autocast_available: the TorchDynamo of torch 2.11 (our GPU image) cannot trace it, and
-    # the compiled graph broke at every SwitchBack layer. Autocast exists for these device types, not `meta`.
-    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
-        x = x.to(torch.get_autocast_dtype(device))
-    with torch.autocast(device, enabled=False):
+    dtype = autocast_dtype(x.device)
+    if dtype is not None:
+        x = x.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
         out = torch.ops.stableclip.switchback_forward(x.reshape(-1, x.shape[-1]), weight, bias, variant, backend)[0]
     return out.reshape(*x.shape[:-1], weight.shape[0])
