@@ -4,11 +4,11 @@ spill stack runs out of registers; one under 128 registers per thread with 4 war
 per SM (an SM holds 65,536 registers).
 
     python bench/kernel_resources.py [--configs 64,4,3 64,4,3,32] [--head-dims 64 80] [--length 257] [--causal]
-    python bench/kernel_resources.py --residual-norm [--configs 32,4 32,16,1] [--widths 768 1280]
+    python bench/kernel_resources.py --residual-norm [--configs 32,4 32,8,3] [--widths 768 1280]
 
 Tiled attention (src/models/tiled_attention.py, the default): a config is BLOCK,WARPS,STAGES[,STEP] as in
 bench/short_attention.py --tiled-configs (STAGES 0: the module's default for the head size). Residual norm
-(src/models/residual_norm.py, `--residual-norm`, a bf16 branch output): a config is ROWS,WARPS[,TILE_ROWS] as in
+(src/models/residual_norm.py, `--residual-norm`, a bf16 branch output): a config is ROWS,WARPS[,STAGES] as in
 bench/residual_norm.py --configs.
 """
 
@@ -89,9 +89,9 @@ def attention_rows(args: argparse.Namespace) -> Iterator[dict]:
 
 def residual_norm_rows(args: argparse.Namespace) -> Iterator[dict]:
     for config in args.configs:
-        rows, warps, *tile = (int(value) for value in config.split(","))
+        rows, warps, *stages = (int(value) for value in config.split(","))
         for width in args.widths:
-            settings = {"BLOCK_W": triton.next_power_of_2(width), "ROWS": rows, "TILE_ROWS": tile[0] if tile else 1}
+            settings = {"BLOCK_W": triton.next_power_of_2(width), "ROWS": rows, "STAGES": stages[0] if stages else 1}
             for name, (kernel, signature, own) in RESIDUAL_NORM_KERNELS.items():
                 yield {"config": config, "width": width, "kernel": name,
                        **resources(kernel, signature, settings | own, {"num_warps": warps})}
@@ -107,7 +107,7 @@ def main() -> int:
     parser.add_argument("--widths", nargs="+", type=int, default=[768, 1024, 1280])
     args = parser.parse_args()
     if args.configs is None:
-        args.configs = [f"{residual_norm.ROWS},{residual_norm.WARPS},{residual_norm.TILE_ROWS}"] \
+        args.configs = [f"{residual_norm.ROWS},{residual_norm.WARPS},{residual_norm.STAGES}"] \
             if args.residual_norm else ["64,4,0"]
     for row in (residual_norm_rows if args.residual_norm else attention_rows)(args):
         print(json.dumps(row), flush=True)

@@ -4,8 +4,8 @@ turns in the same rounds, at both towers' shapes.
 
     python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8,2 ...]
 
-`--configs` times our kernels at each ROWS,WARPS[,TILE_ROWS] (rows and warps per program, rows loaded at once:
-residual_norm.ROWS, .WARPS, .TILE_ROWS; bench/kernel_resources.py --residual-norm shows their registers), in the
+`--configs` times our kernels at each ROWS,WARPS[,STAGES] (rows and warps per program, software-pipelining stages
+of the loop over rows: residual_norm.ROWS, .WARPS, .STAGES; bench/kernel_resources.py --residual-norm shows their registers), in the
 same rounds. The
 bound beside them: the bytes the fused kernels must move (forward: read x, a; write x1, y; backward: read the
 two gradients, x, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
@@ -41,7 +41,7 @@ def unfused(x, a, gamma, weight, bias):
 def step(fn, leaves, grads, config: tuple[int, ...] | None = None):
     def run():
         if config is not None:
-            rn.ROWS, rn.WARPS, rn.TILE_ROWS = (*config, 1)[:3]
+            rn.ROWS, rn.WARPS, rn.STAGES = (*config, 1)[:3]
         torch.autograd.backward(fn(*leaves), grads)
     return run
 
@@ -50,8 +50,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", default=[f"{rn.ROWS},{rn.WARPS},{rn.TILE_ROWS}"],
-                        metavar="ROWS,WARPS[,TILE_ROWS]",
+    parser.add_argument("--configs", nargs="+", default=[f"{rn.ROWS},{rn.WARPS},{rn.STAGES}"],
+                        metavar="ROWS,WARPS[,STAGES]",
                         help="launch settings of our kernels to time")
     parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s for the bound (H200: 4.8 peak)")
     args = parser.parse_args()

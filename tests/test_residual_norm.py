@@ -35,16 +35,16 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @interpreted
-@pytest.mark.parametrize(("rows", "width", "rows_per_program", "tile_rows"),
-                         [(70, 48, 32, 1), (5, 80, 32, 4), (33, 64, 4, 2), (9, 3, 4, 4), (70, 48, 32, 8)])
+@pytest.mark.parametrize(("rows", "width", "rows_per_program", "stages"),
+                         [(70, 48, 32, 1), (5, 80, 32, 3), (33, 64, 4, 2), (9, 3, 4, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("save_sum", [False, True])
-def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, tile_rows, dtype, save_sum):
+def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, stages, dtype, save_sum):
     """Widths that fill the row block and ones that leave it part empty; rows that leave the last program part
-    empty; several programs' partial column sums; the backward from x or from x1; rows taken one or several at
-    a time."""
+    empty; several programs' partial column sums; the backward from x or from x1; with and without pipelining
+    the loop over rows."""
     monkeypatch.setattr(rn, "ROWS", rows_per_program)
-    monkeypatch.setattr(rn, "TILE_ROWS", tile_rows)
+    monkeypatch.setattr(rn, "STAGES", stages)
     x, a, gamma, weight, bias = inputs(rows, width, dtype)
     leaves = [t.clone().requires_grad_() for t in (x, a, gamma, weight, bias)]
     x1, y = rn.residual_norm(*leaves, eps=1e-5, save_sum=save_sum)
@@ -63,13 +63,6 @@ def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_
         assert leaf.grad.dtype == leaf.dtype
         tolerance = 2 ** -7 if leaf.dtype != torch.float32 else 1e-5
         assert rel_error(leaf.grad, want.grad) < tolerance, (leaf.shape, rel_error(leaf.grad, want.grad))
-
-
-@interpreted
-def test_refuses_tile_rows_that_do_not_divide_the_rows_per_program(monkeypatch):
-    monkeypatch.setattr(rn, "TILE_ROWS", 3)
-    with pytest.raises(ValueError, match="residual_norm.TILE_ROWS=3 must be a power of 2 that divides ROWS=32"):
-        rn.residual_norm(*inputs(4, 8))
 
 
 @interpreted

@@ -29,7 +29,7 @@ from src.triton_interpreter import interpreting
 
 ROWS = 32  # rows per program: fewer partial column sums to write and add, against fewer programs in flight
 WARPS = 4  # warps per program (bench/residual_norm.py --configs times others)
-TILE_ROWS = 1  # rows loaded and reduced at once within a program's ROWS: more loads in flight, more registers
+STAGES = 1  # software-pipelining stages of a program's loop over rows (1: none): the next rows' loads in flight
 MODES = ("auto", "fused", "unfused")
 # `auto`'s narrowest width: on an H200 (bench/residual_norm.py, forward + backward) the kernels ran 1.42x as fast
 # as Inductor's code at width 1024 and 1.27x at 1280, but 0.92x at 768.
@@ -62,64 +62,64 @@ if triton is not None:
     @triton.jit
     def _residual_norm_forward_kernel(x_ptr, a_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr, rstd_ptr,
                                       rows, width, eps, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
-                                      TILE_ROWS: tl.constexpr):
+                                      STAGES: tl.constexpr):
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
-        gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)[None, :]
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0)[None, :]
-        b = tl.load(b_ptr + cols, mask=inside, other=0.0)[None, :]
-        for r in range(0, ROWS, TILE_ROWS):
-            row = tl.program_id(0) * ROWS + r + tl.arange(0, TILE_ROWS)
-            mask = inside[None, :] & (row < rows)[:, None]
-            offsets = row.to(tl.int64)[:, None] * width + cols[None, :]
+        gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+        b = tl.load(b_ptr + cols, mask=inside, other=0.0)
+        for r in tl.range(0, ROWS, num_stages=STAGES):
+            row = tl.program_id(0) * ROWS + r
+            mask = inside & (row < rows)
+            offsets = row.to(tl.int64) * width + cols
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
             x1 = x + tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * gamma
             tl.store(x1_ptr + offsets, x1, mask=mask)
-            mean = tl.sum(x1, axis=1) / width
-            centered = tl.where(mask, x1 - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt_rn(tl.sum(centered * centered, axis=1) / width + eps)
-            tl.store(y_ptr + offsets, (centered * rstd[:, None] * w + b).to(y_ptr.dtype.element_ty), mask=mask)
+            mean = tl.sum(x1, axis=0) / width
+            centered = tl.where(mask, x1 - mean, 0.0)
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(centered * centered, axis=0) / width + eps)
+            tl.store(y_ptr + offsets, (centered * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(mean_ptr + row, mean, mask=row < rows)
             tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
     @triton.jit
     def _residual_norm_backward_kernel(grad_x1_ptr, grad_y_ptr, stream_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr,
                                        rstd_ptr, dx_ptr, da_ptr, partial_ptr, rows, width, programs,
-                                       BLOCK_W: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr,
+                                       BLOCK_W: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
                                        HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr):
         """dx and da per row; per program, its partial column sums of dγ, dw and db ([3, programs, width]).
         The saved stream is x1 where STREAM_IS_SUM, else x (and x1 = x + γ·a is formed again)."""
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
-        gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)[None, :]
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0)[None, :]
+        gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
         sum_gamma = tl.zeros((BLOCK_W,), tl.float32)
         sum_w = tl.zeros((BLOCK_W,), tl.float32)
         sum_b = tl.zeros((BLOCK_W,), tl.float32)
-        for r in range(0, ROWS, TILE_ROWS):
-            row = tl.program_id(0) * ROWS + r + tl.arange(0, TILE_ROWS)
+        for r in tl.range(0, ROWS, num_stages=STAGES):
+            row = tl.program_id(0) * ROWS + r
             in_rows = row < rows
-            mask = inside[None, :] & in_rows[:, None]
-            offsets = row.to(tl.int64)[:, None] * width + cols[None, :]
+            mask = inside & in_rows
+            offsets = row.to(tl.int64) * width + cols
             grad_y = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(mean_ptr + row, mask=in_rows, other=0.0)[:, None]
-            rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)[:, None]
+            mean = tl.load(mean_ptr + row, mask=in_rows, other=0.0)
+            rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
             a = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             x1 = tl.load(stream_ptr + offsets, mask=mask, other=0.0)
             if not STREAM_IS_SUM:
                 x1 += a * gamma
             x_hat = tl.where(mask, (x1 - mean) * rstd, 0.0)
             grad_x_hat = grad_y * w
-            dx = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=1) / width)[:, None]
-                         - (tl.sum(grad_x_hat, axis=1) / width)[:, None])
+            dx = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=0) / width)
+                         - tl.sum(grad_x_hat, axis=0) / width)
             if HAS_GRAD_X1:
                 dx += tl.load(grad_x1_ptr + offsets, mask=mask, other=0.0)
             dx = tl.where(mask, dx, 0.0)
             tl.store(dx_ptr + offsets, dx, mask=mask)
             tl.store(da_ptr + offsets, (dx * gamma).to(da_ptr.dtype.element_ty), mask=mask)
-            sum_gamma += tl.sum(dx * a, axis=0)
-            sum_w += tl.sum(grad_y * x_hat, axis=0)
-            sum_b += tl.sum(grad_y, axis=0)
+            sum_gamma += dx * a
+            sum_w += grad_y * x_hat
+            sum_b += grad_y
         base = partial_ptr + tl.program_id(0).to(tl.int64) * width + cols
         tl.store(base, sum_gamma, mask=inside)
         tl.store(base + programs * width, sum_w, mask=inside)
@@ -127,8 +127,6 @@ if triton is not None:
 
 
 def _grid(rows: int) -> int:
-    if ROWS % TILE_ROWS or TILE_ROWS & (TILE_ROWS - 1):
-        raise ValueError(f"residual_norm.TILE_ROWS={TILE_ROWS} must be a power of 2 that divides ROWS={ROWS}")
     return triton.cdiv(rows, ROWS)
 
 
@@ -142,7 +140,7 @@ def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torc
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
     _residual_norm_forward_kernel[(_grid(rows),)](x, a, gamma, weight, bias, x1, y, mean, rstd, rows, width, eps,
                                                   BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
-                                                  TILE_ROWS=TILE_ROWS, num_warps=WARPS)
+                                                  STAGES=STAGES, num_warps=WARPS)
     return x1, y, mean, rstd
 
 
@@ -162,7 +160,7 @@ def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.
     partial = stream.new_empty(3, programs, width)
     _residual_norm_backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a, gamma,
                                                 weight, mean, rstd, dx, da, partial, rows, width, programs,
-                                                BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, TILE_ROWS=TILE_ROWS,
+                                                BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, STAGES=STAGES,
                                                 HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
                                                 num_warps=WARPS)
     dgamma, dweight, dbias = (part.sum(0) for part in partial)  # a fixed order: deterministic
