@@ -4,7 +4,7 @@ spill stack runs out of registers; one under 128 registers per thread with 4 war
 per SM (an SM holds 65,536 registers).
 
     python bench/kernel_resources.py [--configs 64,4,3 64,4,3,32] [--head-dims 64 80] [--length 257] [--causal]
-    python bench/kernel_resources.py --residual-norm [--configs 32,4 32,8,3] [--widths 768 1280]
+    python bench/kernel_resources.py --residual-norm [--configs 32,8,3 32,4,1] [--widths 768 1280]
 
 Tiled attention (src/models/tiled_attention.py, the default): a config is BLOCK,WARPS,STAGES[,STEP] as in
 bench/short_attention.py --tiled-configs (STAGES 0: the module's default for the head size). Residual norm

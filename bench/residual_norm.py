@@ -5,10 +5,9 @@ turns in the same rounds, at both towers' shapes.
     python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8,2 ...]
 
 `--configs` times our kernels at each ROWS,WARPS[,STAGES] (rows and warps per program, software-pipelining stages
-of the loop over rows: residual_norm.ROWS, .WARPS, .STAGES; bench/kernel_resources.py --residual-norm shows their registers), in the
-same rounds. The
-bound beside them: the bytes the fused kernels must move (forward: read x, a; write x1, y; backward: read the
-two gradients, x, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
+of the loop over rows: residual_norm.ROWS, .WARPS, .STAGES; bench/kernel_resources.py --residual-norm shows their
+registers), in the same rounds. The bound beside them: the bytes the fused kernels must move (forward: read x, a;
+write x1, y; backward: read the two gradients, x, a; write dx, da) at the memory bandwidth `--bandwidth` (TB/s).
 """
 
 from __future__ import annotations
