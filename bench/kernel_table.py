@@ -1,13 +1,16 @@
 """GPU time per step by kernel name, from the Chrome traces `bench/throughput.py --profile N --trace DIR` writes
 (three profiled steps each); with two traces, also the kernels whose time changed most between them; with
-`--groups`, the time per kind of kernel (matmul, attention, Inductor's fused kernels, optimizer, copies).
+`--groups`, the time per kind of kernel (matmul, attention, Inductor's fused kernels, optimizer, copies); with
+`--callers REGEX`, the kernels whose name matches, each split by the two innermost CPU ops that launched it
+(e.g. an eager `reduce_kernel` under `aten::sum` < `stableclip::residual_norm_backward`).
 
-    python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups]
+    python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups] [--callers 'reduce|copy']
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import re
@@ -50,11 +53,51 @@ def print_groups(table: collections.Counter) -> None:
         print(f"  {ms:7.1f} ms {ms / total:6.1%}  {group}")
 
 
+def _innermost_ops(ops: list[tuple[float, float, str]], starts: list[float], time: float) -> str:
+    """The innermost two of a thread's CPU ops (sorted by start) that are running at `time`, inner first. The
+    latest-starting op that has not ended is the innermost; its parent started before it."""
+    names = []
+    for index in range(bisect.bisect_right(starts, time) - 1, -1, -1):
+        _, end, name = ops[index]
+        if end >= time:
+            names.append(name)
+            if len(names) == 2:
+                break
+    return " < ".join(names) or "no CPU op"
+
+
+def kernel_callers(path: str, pattern: re.Pattern) -> collections.Counter:
+    """ms per step of each (kernel, the CPU ops that launched it), for kernels whose name matches `pattern`:
+    a kernel and its launch share a correlation id; the launch's time places it inside the CPU ops."""
+    events = json.load(open(path))["traceEvents"]
+    launches = {event["args"]["correlation"]: event for event in events
+                if event.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {})}
+    ops = collections.defaultdict(list)
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") == "cpu_op":
+            ops[event["pid"], event["tid"]].append((event["ts"], event["ts"] + event["dur"], event["name"]))
+    for thread_ops in ops.values():
+        thread_ops.sort()
+    starts = {thread: [op[0] for op in thread_ops] for thread, thread_ops in ops.items()}
+    table = collections.Counter()
+    for event in events:
+        if event.get("ph") != "X" or event.get("cat") != "kernel" or not pattern.search(event["name"]):
+            continue
+        launch = launches.get(event.get("args", {}).get("correlation"))
+        thread = None if launch is None else (launch["pid"], launch["tid"])
+        caller = "no launch found" if thread is None else _innermost_ops(ops[thread], starts.get(thread, []),
+                                                                         launch["ts"])
+        table[event["name"][:80], caller] += event["dur"] / 1e3 / PROFILED_STEPS
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="one or two trace files")
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--groups", action="store_true", help="also print the time per kind of kernel")
+    parser.add_argument("--callers", metavar="REGEX",
+                        help="also split the kernels whose name matches by the CPU ops that launched them")
     args = parser.parse_args()
     if len(args.traces) > 2:
         parser.error(f"give one or two traces, got {len(args.traces)}")
@@ -65,6 +108,10 @@ def main() -> int:
             print(f"  {ms:7.2f} {name}")
         if args.groups:
             print_groups(table)
+        if args.callers:
+            print(f"kernels matching {args.callers!r}, by the CPU ops that launched them (inner < outer)")
+            for (name, caller), ms in kernel_callers(path, re.compile(args.callers)).most_common(args.rows):
+                print(f"  {ms:7.2f} {name}  <-  {caller}")
     if len(tables) == 2:
         first, second = tables
         change = {name: first[name] - second[name] for name in set(first) | set(second)}

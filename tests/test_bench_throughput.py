@@ -61,3 +61,33 @@ def test_kernel_table_groups_kernels_by_kind(tmp_path):
                       "Inductor reductions (LayerNorm, sums)": 0.1, "optimizer and RMS (multi-tensor)": 0.5,
                       "copies and fills": 0.2, "other": 0.1,
                       "SwitchBack quantization": 0.2}
+
+
+def test_kernel_table_names_the_cpu_ops_that_launched_a_kernel(tmp_path):
+    """--callers: a kernel is matched to its launch by correlation id, and the launch to the two innermost CPU
+    ops running on its thread at that time (not a sibling op that had already ended)."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "stableclip::residual_norm_backward", "pid": 1, "tid": 7, "ts": 100,
+         "dur": 50},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": 1, "tid": 7, "ts": 101, "dur": 2},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::sum", "pid": 1, "tid": 7, "ts": 110, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 7, "ts": 200, "dur": 20},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 115, "dur": 3,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 205, "dur": 3,
+         "args": {"correlation": 6}},
+        {"ph": "X", "cat": "kernel", "name": "reduce_kernel", "pid": 0, "tid": 9, "ts": 300, "dur": 600,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": "kernel", "name": "direct_copy_kernel", "pid": 0, "tid": 9, "ts": 900, "dur": 300,
+         "args": {"correlation": 6}},
+        {"ph": "X", "cat": "kernel", "name": "gelu", "pid": 0, "tid": 9, "ts": 1200, "dur": 300,
+         "args": {"correlation": 8}},
+    ]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "trace.json"), "--callers",
+                             "reduce|copy"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    callers = result.stdout.split("by the CPU ops that launched them (inner < outer)\n")[1].splitlines()
+    assert [line.split(None, 1) for line in callers] == [
+        ["0.20", "reduce_kernel  <-  aten::sum < stableclip::residual_norm_backward"],
+        ["0.10", "direct_copy_kernel  <-  aten::copy_"]]
