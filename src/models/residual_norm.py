@@ -155,8 +155,9 @@ def _(x, a, gamma, weight, bias, eps, save_sum):
 @torch.library.custom_op("stableclip::residual_norm_backward", mutates_args=())
 def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.Tensor, a: torch.Tensor,
               gamma: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, stream_is_sum: bool,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, da, dγ, dw, db), from the saved residual stream: x1 where `stream_is_sum`, else x."""
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, da, [dγ; dw; db] as one [3, width] tensor), from the saved residual stream: x1 where `stream_is_sum`,
+    else x."""
     rows, width = stream.shape
     programs = _grid(rows)
     dx, da = torch.empty_like(stream), torch.empty_like(a)
@@ -166,15 +167,12 @@ def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.
                                                 BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, STAGES=STAGES,
                                                 HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
                                                 num_warps=WARPS)
-    dgamma, dweight, dbias = (part.sum(0) for part in partial)  # a fixed order: deterministic
-    return dx, da, dgamma, dweight, dbias
+    return dx, da, partial.sum(1)  # one launch for the three; a fixed order: deterministic
 
 
 @_backward.register_fake
 def _(grad_x1, grad_y, stream, a, gamma, weight, mean, rstd, stream_is_sum):
-    width = stream.shape[1]
-    return (torch.empty_like(stream), torch.empty_like(a), stream.new_empty(width), stream.new_empty(width),
-            stream.new_empty(width))
+    return torch.empty_like(stream), torch.empty_like(a), stream.new_empty(3, stream.shape[1])
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -188,8 +186,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _grads(ctx, grad_x1, grad_y, _grad_mean, _grad_rstd):
     stream, a, gamma, weight, mean, rstd = ctx.saved_tensors
-    dx, da, dgamma, dweight, dbias = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), stream, a, gamma, weight,
-                                               mean, rstd, ctx.save_sum)
+    dx, da, column_sums = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), stream, a, gamma, weight, mean, rstd,
+                                    ctx.save_sum)
+    dgamma, dweight, dbias = column_sums
     return dx, da, dgamma, dweight, dbias, None, None
 
 
