@@ -42,14 +42,15 @@ ATTENTION_KERNELS = {  # name: (kernel, its pointer arguments, its float argumen
 }
 RESIDUAL_NORM_KERNELS = {  # name: (kernel, its full signature, its own compile-time settings)
     "forward": (residual_norm._residual_norm_forward_kernel,
-                {"x_ptr": "*fp32", "a_ptr": "*bf16", "gamma_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32",
-                 "x1_ptr": "*fp32", "y_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "rows": "i32",
-                 "width": "i32", "eps": "fp32"}, {}),
+                {"x_ptr": "*fp32", "a_ptr": "*bf16", "a_bias_ptr": "*fp32", "gamma_ptr": "*fp32", "w_ptr": "*fp32",
+                 "b_ptr": "*fp32", "x1_ptr": "*fp32", "y_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+                 "rows": "i32", "width": "i32", "eps": "fp32"}, {"HAS_A_BIAS": True}),
     "backward": (residual_norm._residual_norm_backward_kernel,
                  {"grad_x1_ptr": "*fp32", "grad_y_ptr": "*bf16", "stream_ptr": "*fp32", "a_ptr": "*bf16",
-                  "gamma_ptr": "*fp32", "w_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*fp32",
-                  "da_ptr": "*bf16", "partial_ptr": "*fp32", "rows": "i32", "width": "i32", "programs": "i32"},
-                 {"HAS_GRAD_X1": True, "STREAM_IS_SUM": False}),
+                  "a_bias_ptr": "*fp32", "gamma_ptr": "*fp32", "w_ptr": "*fp32", "mean_ptr": "*fp32",
+                  "rstd_ptr": "*fp32", "dx_ptr": "*fp32", "da_ptr": "*bf16", "partial_ptr": "*fp32", "rows": "i32",
+                  "width": "i32", "programs": "i32"},
+                 {"HAS_GRAD_X1": True, "STREAM_IS_SUM": False, "HAS_A_BIAS": True}),
 }
 
 

@@ -39,20 +39,25 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
                          [(70, 48, 32, 1), (5, 80, 32, 3), (33, 64, 4, 2), (9, 3, 4, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("save_sum", [False, True])
-def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, stages, dtype, save_sum):
+@pytest.mark.parametrize("with_a_bias", [False, True])
+def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_program, stages, dtype, save_sum,
+                                             with_a_bias):
     """Widths that fill the row block and ones that leave it part empty; rows that leave the last program part
     empty; several programs' partial column sums; the backward from x or from x1; with and without pipelining
-    the loop over rows."""
+    the loop over rows; with and without a bias on the branch output (its gradient a fourth column sum)."""
     monkeypatch.setattr(rn, "ROWS", rows_per_program)
     monkeypatch.setattr(rn, "STAGES", stages)
     x, a, gamma, weight, bias = inputs(rows, width, dtype)
-    leaves = [t.clone().requires_grad_() for t in (x, a, gamma, weight, bias)]
-    x1, y = rn.residual_norm(*leaves, eps=1e-5, save_sum=save_sum)
+    a_bias = torch.randn(width) if with_a_bias else torch.zeros(width)
+    leaves = [t.clone().requires_grad_() for t in (x, a, gamma, weight, bias, a_bias)]
+    x1, y = rn.residual_norm(*leaves[:5], eps=1e-5, save_sum=save_sum, a_bias=leaves[5] if with_a_bias else None)
     grad_x1, grad_y = torch.randn(rows, width), torch.randn(rows, width).to(dtype)
     torch.autograd.backward([x1, y], [grad_x1, grad_y])
+    if not with_a_bias:
+        leaves.pop()
 
-    exact = [t.double().requires_grad_() for t in (x, a, gamma, weight, bias)]
-    want_x1 = exact[0] + exact[1] * exact[2]
+    exact = [t.double().requires_grad_() for t in (x, a, gamma, weight, bias, a_bias)]
+    want_x1 = exact[0] + (exact[1] + exact[5]) * exact[2]
     want_y = F.layer_norm(want_x1, (width,), exact[3], exact[4], 1e-5)
     torch.autograd.backward([want_x1, want_y], [grad_x1.double(), grad_y.double()])
 
@@ -68,8 +73,10 @@ def test_forward_and_gradients_match_float64(monkeypatch, rows, width, rows_per_
 @interpreted
 def test_ops_pass_opcheck():
     x, a, gamma, weight, bias = inputs(6, 16)
-    torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default, (x, a, gamma, weight, bias, 1e-5, True),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for a_bias in (None, torch.randn(16)):
+        torch.library.opcheck(torch.ops.stableclip.residual_norm_forward.default,
+                              (x, a, a_bias, gamma, weight, bias, 1e-5, True),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 @interpreted
@@ -125,6 +132,9 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, 
         with torch.no_grad():
             final_norm.weight.uniform_(0.5, 1.5)
             final_norm.bias.uniform_(-0.5, 0.5)
+            for block in transformer.resblocks:  # the biases the fused kernels add, not left at their init's 0
+                block.attn.out_proj.bias.uniform_(-0.5, 0.5)
+                block.mlp.c_proj.bias.uniform_(-0.5, 0.5)
         set_residual_norm(transformer, "fused" if fused else "unfused")
         for block in transformer.resblocks:
             block.register_forward_pre_hook(lambda _, args: normed_dtypes.append(args[2].dtype) if len(args) > 2

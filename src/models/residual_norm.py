@@ -63,12 +63,13 @@ def unsupported_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _residual_norm_forward_kernel(x_ptr, a_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr, rstd_ptr,
-                                      rows, width, eps, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
-                                      STAGES: tl.constexpr):
+    def _residual_norm_forward_kernel(x_ptr, a_ptr, a_bias_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr,
+                                      rstd_ptr, rows, width, eps, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+                                      STAGES: tl.constexpr, HAS_A_BIAS: tl.constexpr):
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
         gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
+        a_bias = tl.load(a_bias_ptr + cols, mask=inside, other=0.0) if HAS_A_BIAS else 0.0
         w = tl.load(w_ptr + cols, mask=inside, other=0.0)
         b = tl.load(b_ptr + cols, mask=inside, other=0.0)
         for r in tl.range(0, ROWS, num_stages=STAGES):
@@ -76,7 +77,7 @@ if triton is not None:
             mask = inside & (row < rows)
             offsets = row.to(tl.int64) * width + cols
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-            x1 = x + tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * gamma
+            x1 = x + (tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + a_bias) * gamma
             tl.store(x1_ptr + offsets, x1, mask=mask)
             mean = tl.sum(x1, axis=0) / width
             centered = tl.where(mask, x1 - mean, 0.0)
@@ -86,15 +87,19 @@ if triton is not None:
             tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
     @triton.jit
-    def _residual_norm_backward_kernel(grad_x1_ptr, grad_y_ptr, stream_ptr, a_ptr, gamma_ptr, w_ptr, mean_ptr,
-                                       rstd_ptr, dx_ptr, da_ptr, partial_ptr, rows, width, programs,
+    def _residual_norm_backward_kernel(grad_x1_ptr, grad_y_ptr, stream_ptr, a_ptr, a_bias_ptr, gamma_ptr, w_ptr,
+                                       mean_ptr, rstd_ptr, dx_ptr, da_ptr, partial_ptr, rows, width, programs,
                                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
-                                       HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr):
-        """dx and da per row; per program, its partial column sums of dγ, dw and db ([3, programs, width]).
-        The saved stream is x1 where STREAM_IS_SUM, else x (and x1 = x + γ·a is formed again)."""
+                                       HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr,
+                                       HAS_A_BIAS: tl.constexpr):
+        """dx and da per row; per program, its partial column sums of dγ, dw, db and, with a bias on a, of that
+        bias ([3 or 4, programs, width]). The saved stream is x1 where STREAM_IS_SUM, else x (and x1 = x + γ·a
+        is formed again)."""
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
         gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
+        a_bias = tl.load(a_bias_ptr + cols, mask=inside, other=0.0) if HAS_A_BIAS else 0.0
+        sum_a_bias = tl.zeros((BLOCK_W,), tl.float32)
         w = tl.load(w_ptr + cols, mask=inside, other=0.0)
         sum_gamma = tl.zeros((BLOCK_W,), tl.float32)
         sum_w = tl.zeros((BLOCK_W,), tl.float32)
@@ -107,7 +112,7 @@ if triton is not None:
             grad_y = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             mean = tl.load(mean_ptr + row, mask=in_rows, other=0.0)
             rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
-            a = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            a = tl.where(mask, tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + a_bias, 0.0)
             x1 = tl.load(stream_ptr + offsets, mask=mask, other=0.0)
             if not STREAM_IS_SUM:
                 x1 += a * gamma
@@ -123,10 +128,14 @@ if triton is not None:
             sum_gamma += dx * a
             sum_w += grad_y * x_hat
             sum_b += grad_y
+            if HAS_A_BIAS:
+                sum_a_bias += dx * gamma
         base = partial_ptr + tl.program_id(0).to(tl.int64) * width + cols
         tl.store(base, sum_gamma, mask=inside)
         tl.store(base + programs * width, sum_w, mask=inside)
         tl.store(base + 2 * programs * width, sum_b, mask=inside)
+        if HAS_A_BIAS:
+            tl.store(base + 3 * programs * width, sum_a_bias, mask=inside)
 
 
 def _grid(rows: int) -> int:
@@ -134,76 +143,84 @@ def _grid(rows: int) -> int:
 
 
 @torch.library.custom_op("stableclip::residual_norm_forward", mutates_args=())
-def _forward(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-             eps: float, save_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, a: torch.Tensor, a_bias: torch.Tensor | None, gamma: torch.Tensor,
+             weight: torch.Tensor, bias: torch.Tensor, eps: float, save_sum: bool,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (float32 or 16 bits); `save_sum` says what
     the autograd context keeps, not what is computed."""
     rows, width = x.shape
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
-    _residual_norm_forward_kernel[(_grid(rows),)](x, a, gamma, weight, bias, x1, y, mean, rstd, rows, width, eps,
+    _residual_norm_forward_kernel[(_grid(rows),)](x, a, gamma if a_bias is None else a_bias, gamma, weight, bias,
+                                                  x1, y, mean, rstd, rows, width, eps,
                                                   BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
-                                                  STAGES=STAGES, num_warps=WARPS)
+                                                  STAGES=STAGES, HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
     return x1, y, mean, rstd
 
 
 @_forward.register_fake
-def _(x, a, gamma, weight, bias, eps, save_sum):
+def _(x, a, a_bias, gamma, weight, bias, eps, save_sum):
     return torch.empty_like(x), torch.empty_like(a), x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
 
 
 @torch.library.custom_op("stableclip::residual_norm_backward", mutates_args=())
 def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.Tensor, a: torch.Tensor,
-              gamma: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, stream_is_sum: bool,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, da, [dγ; dw; db] as one [3, width] tensor), from the saved residual stream: x1 where `stream_is_sum`,
-    else x."""
+              a_bias: torch.Tensor | None, gamma: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+              rstd: torch.Tensor, stream_is_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, da, [dγ; dw; db; d a_bias where given] as one [3 or 4, width] tensor), from the saved residual
+    stream: x1 where `stream_is_sum`, else x."""
     rows, width = stream.shape
     programs = _grid(rows)
     dx, da = torch.empty_like(stream), torch.empty_like(a)
-    partial = stream.new_empty(3, programs, width)
-    _residual_norm_backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a, gamma,
-                                                weight, mean, rstd, dx, da, partial, rows, width, programs,
+    partial = stream.new_empty(3 if a_bias is None else 4, programs, width)
+    _residual_norm_backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a,
+                                                gamma if a_bias is None else a_bias, gamma, weight, mean, rstd, dx,
+                                                da, partial, rows, width, programs,
                                                 BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, STAGES=STAGES,
                                                 HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
-                                                num_warps=WARPS)
-    return dx, da, partial.sum(1)  # one launch for the three; a fixed order: deterministic
+                                                HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
+    return dx, da, partial.sum(1)  # one launch for all; a fixed order: deterministic
 
 
 @_backward.register_fake
-def _(grad_x1, grad_y, stream, a, gamma, weight, mean, rstd, stream_is_sum):
-    return torch.empty_like(stream), torch.empty_like(a), stream.new_empty(3, stream.shape[1])
+def _(grad_x1, grad_y, stream, a, a_bias, gamma, weight, mean, rstd, stream_is_sum):
+    sums = 3 if a_bias is None else 4
+    return torch.empty_like(stream), torch.empty_like(a), stream.new_empty(sums, stream.shape[1])
 
 
 def _setup_context(ctx, inputs, output) -> None:
     # One float32 stream tensor is kept, whichever is kept anyway (residual_norm's save_sum says which): saving
     # both would cost 4 bytes per activation more (12 GiB on a ViT-H/14 step at batch 256).
-    x, a, gamma, weight, bias, eps, save_sum = inputs
+    x, a, a_bias, gamma, weight, bias, eps, save_sum = inputs
     x1, _, mean, rstd = output
     ctx.save_sum = save_sum
-    ctx.save_for_backward(x1 if save_sum else x, a, gamma, weight, mean, rstd)
+    ctx.save_for_backward(x1 if save_sum else x, a, a_bias, gamma, weight, mean, rstd)
 
 
 def _grads(ctx, grad_x1, grad_y, _grad_mean, _grad_rstd):
-    stream, a, gamma, weight, mean, rstd = ctx.saved_tensors
-    dx, da, column_sums = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), stream, a, gamma, weight, mean, rstd,
-                                    ctx.save_sum)
-    dgamma, dweight, dbias = column_sums
-    return dx, da, dgamma, dweight, dbias, None, None
+    stream, a, a_bias, gamma, weight, mean, rstd = ctx.saved_tensors
+    dx, da, column_sums = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), stream, a, a_bias, gamma, weight,
+                                    mean, rstd, ctx.save_sum)
+    dgamma, dweight, dbias = column_sums[:3]
+    da_bias = column_sums[3].to(a_bias.dtype) if a_bias is not None else None
+    return dx, da, da_bias, dgamma, dweight, dbias, None, None
 
 
 _forward.register_autograd(_grads, setup_context=_setup_context)
 
 
 def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor, eps: float = 1e-5, save_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x1, y) = (x + γ·a, LayerNorm(x1) in a's dtype) over the last dimension, for x [..., width] float32 and a
-    of x's shape in float32 or 16 bits; γ, weight and bias [width] float32. For the backward it keeps x, or x1
-    where `save_sum`: in a block, x is the block's input and x1 the next block's, which are kept anyway."""
+                  bias: torch.Tensor, eps: float = 1e-5, save_sum: bool = False, a_bias: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x1, y) = (x + γ·(a + a_bias), LayerNorm(x1) in a's dtype) over the last dimension, for x [..., width]
+    float32 and a of x's shape in float32 or 16 bits; γ, weight, bias and a_bias (None: none) [width] float32.
+    a_bias is the bias of the linear layer that wrote a, which then runs without it: its gradient is summed here
+    with the other column sums, not in a reduction of its own over da. For the backward it keeps x, or x1 where
+    `save_sum`: in a block, x is the block's input and x1 the next block's, which are kept anyway."""
     reason = unsupported_reason(x, a)
     if reason is not None:
         raise ValueError(f"model.residual_norm=fused cannot run here: {reason}; or set it to auto or unfused")
     width = x.shape[-1]
-    x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), gamma, weight,
-                           bias, eps, save_sum)
+    x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), a_bias, gamma,
+                           weight, bias, eps, save_sum)
     return x1.view(x.shape), y.view(a.shape)

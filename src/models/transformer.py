@@ -20,9 +20,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import src.models.switchback  # noqa: F401  (registers stableclip::switchback_forward, which `selective` keeps)
 from src.models import residual_norm, short_attention, tiled_attention
 from src.models.autocast import autocast_dtype
+from src.models.switchback.convert import SwitchBackLinear
+from src.models.switchback.functions import switchback_linear
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
@@ -142,12 +143,15 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(width, width)
         self.backend = "auto"  # a key of ATTENTION_BACKENDS; set_attention_backend sets it
 
-    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, causal: bool = False, out_bias: bool = True) -> torch.Tensor:
+        """Attention of x; without out_proj's bias where `out_bias` is False (the caller adds it)."""
         qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
         kernel = self._our_kernel(qkv)
         if kernel is not None:
-            return self.out_proj(kernel(qkv, self.heads, causal))
-        return self.out_proj(sdpa_attention(qkv, self.heads, causal, ATTENTION_BACKENDS[self.backend]))
+            out = kernel(qkv, self.heads, causal)
+        else:
+            out = sdpa_attention(qkv, self.heads, causal, ATTENTION_BACKENDS[self.backend])
+        return self.out_proj(out) if out_bias else linear_without_bias(self.out_proj, out)
 
     def _our_kernel(self, qkv: torch.Tensor):
         """Which of our Triton attention functions the backend takes for qkv, or None for SDPA."""
@@ -173,6 +177,13 @@ def set_residual_norm(module: nn.Module, mode: str) -> None:
     for block in module.modules():
         if isinstance(block, Block):
             block.residual_norm = mode
+
+
+def linear_without_bias(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ of a linear layer, its bias left out, in the layer's own arithmetic (plain or SwitchBack)."""
+    if isinstance(linear, SwitchBackLinear):
+        return switchback_linear(x, linear.weight, None, linear.variant, linear.backend)
+    return F.linear(x, linear.weight)
 
 
 class Block(nn.Module):
@@ -215,18 +226,21 @@ class Block(nn.Module):
     def _forward(self, x: torch.Tensor, causal: bool, normed: torch.Tensor | None,
                  next_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        branch = self.attn(self.ln_1(x) if normed is None else normed, causal=causal)
-        if self.residual_norm == "fused" or (self.residual_norm == "auto" and residual_norm.applies(x, branch)):
+        # Where the fused kernels run, out_proj's and c_proj's biases go into them (residual_norm's a_bias).
+        fused = self.residual_norm == "fused" or (self.residual_norm == "auto" and residual_norm.applies(x, x))
+        branch = self.attn(self.ln_1(x) if normed is None else normed, causal=causal, out_bias=not fused)
+        if fused:
             x, normed = residual_norm.residual_norm(x, branch, self._gamma(self.ls_1), self.ln_2.weight,
-                                                    self.ln_2.bias, self.ln_2.eps)
+                                                    self.ln_2.bias, self.ln_2.eps, a_bias=self.attn.out_proj.bias)
         else:
             x = x + self.ls_1(branch)
             normed = self.ln_2(x)
-        branch = self.mlp(normed)
         if next_norm is None:
-            return x + self.ls_2(branch)
+            return x + self.ls_2(self.mlp(normed))
+        branch = linear_without_bias(self.mlp.c_proj, self.mlp.gelu(self.mlp.c_fc(normed)))
         # The sum is this block's output, the next block's input, which that block's backward keeps anyway.
-        return residual_norm.residual_norm(x, branch, self._gamma(self.ls_2), *next_norm, save_sum=True)
+        return residual_norm.residual_norm(x, branch, self._gamma(self.ls_2), *next_norm, save_sum=True,
+                                           a_bias=self.mlp.c_proj.bias)
 
     def _gamma(self, scale: nn.Module) -> torch.Tensor:
         """A residual branch's layer-scale gain for the fused kernels (ones where the model has none)."""

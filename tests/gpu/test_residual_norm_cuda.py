@@ -16,7 +16,8 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("width", [768, 1024, 1280])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("save_sum", [False, True])
-def test_matches_float64_and_is_deterministic(width, dtype, save_sum):
+@pytest.mark.parametrize("with_a_bias", [False, True])
+def test_matches_float64_and_is_deterministic(width, dtype, save_sum, with_a_bias):
     from src.models.residual_norm import residual_norm
 
     torch.manual_seed(width)
@@ -24,18 +25,19 @@ def test_matches_float64_and_is_deterministic(width, dtype, save_sum):
     x = torch.randn(rows, width, device="cuda") * 3 + 1
     a = torch.randn(rows, width, device="cuda").to(dtype)
     params = [torch.rand(width, device="cuda") + 0.1, *(torch.randn(width, device="cuda") for _ in range(2))]
+    a_bias = torch.randn(width, device="cuda") if with_a_bias else torch.zeros(width, device="cuda")
     grad_x1, grad_y = torch.randn(rows, width, device="cuda"), torch.randn(rows, width, device="cuda").to(dtype)
 
     def run():
-        leaves = [t.clone().requires_grad_() for t in (x, a, *params)]
-        x1, y = residual_norm(*leaves, save_sum=save_sum)
+        leaves = [t.clone().requires_grad_() for t in (x, a, *params, a_bias)]
+        x1, y = residual_norm(*leaves[:5], save_sum=save_sum, a_bias=leaves[5] if with_a_bias else None)
         torch.autograd.backward([x1, y], [grad_x1, grad_y])
-        return [x1, y] + [leaf.grad for leaf in leaves]
+        return [x1, y] + [leaf.grad for leaf in leaves[:6 if with_a_bias else 5]]
 
     got, again = run(), run()
     assert all(torch.equal(g, h) for g, h in zip(got, again))
-    exact = [t.double().requires_grad_() for t in (x, a, *params)]
-    x1 = exact[0] + exact[1] * exact[2]
+    exact = [t.double().requires_grad_() for t in (x, a, *params, a_bias)]
+    x1 = exact[0] + (exact[1] + exact[5]) * exact[2]
     y = F.layer_norm(x1, (width,), exact[3], exact[4], 1e-5)
     torch.autograd.backward([x1, y], [grad_x1.double(), grad_y.double()])
     for value, want in zip(got, [x1, y] + [leaf.grad for leaf in exact]):
