@@ -46,8 +46,8 @@ def test_matches_float64_and_is_deterministic(width, dtype, save_sum, with_a_bia
         assert rel_error(value, want) < tolerance
 
 
-@pytest.mark.parametrize(("width", "fused"), [(768, False), (1024, True), (1280, True)])
-def test_auto_takes_the_kernels_from_1024_features(monkeypatch, width, fused):
+@pytest.mark.parametrize("width", [512, 768, 1280])
+def test_auto_takes_the_kernels_at_every_width(monkeypatch, width):
     from src.models import residual_norm as rn
     from src.models.transformer import Transformer
 
@@ -56,7 +56,7 @@ def test_auto_takes_the_kernels_from_1024_features(monkeypatch, width, fused):
     tower = Transformer(width=width, layers=1, heads=width // 64, mlp_ratio=1.0, ls_init_value=0.1).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         tower(torch.randn(2, 7, width, device="cuda"))
-    assert bool(calls) == fused
+    assert calls
 
 
 def test_chained_blocks_train_like_unfused_ones(monkeypatch):
