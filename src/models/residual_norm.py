@@ -1,18 +1,21 @@
-"""A residual add and the LayerNorm after it, x1 = x + γ·a and y = LayerNorm(x1), forward and backward in one
-Triton kernel each, for `model.residual_norm` (`auto` takes them on a GPU; `fused`
-everywhere they run): in the middle of each transformer block (x + ls_1(attention), then ln_2), and, where
-Transformer.forward chains the blocks, at the end of each (x + ls_2(MLP), then the next block's ln_1).
+"""A residual add and the LayerNorm after it, x1 = x + γ·(a + c) and y = LayerNorm(x1), forward and backward in
+one Triton kernel each, for `model.residual_norm` (`auto` takes them on a GPU; `fused` everywhere they run). c is
+the bias of the linear layer that wrote a, which then runs without it (optional). They run in the middle of each
+transformer block (x + ls_1(attention), then ln_2), and, where Transformer.forward chains the blocks, at the end
+of each (x + ls_2(MLP), then the next block's ln_1).
 
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
 and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
-the LayerNorm's weight and bias. On ViT-H/14 those column reductions take about 23 ms of a 704 ms step
-(docs/BENCHMARKS.md, session 8). Here each program walks ROWS rows and keeps its column sums in registers,
-written once as partial sums per program and added up in a fixed order (deterministic, no atomics).
+the LayerNorm's weight and bias, and the linear layer's bias gradient is one more reduction over da. On ViT-H/14
+those column reductions took about 23 ms of a 704 ms step (docs/BENCHMARKS.md, session 8). Here each program
+walks ROWS rows and keeps its column sums in registers, written once as partial sums per program and added up in
+a fixed order (deterministic, no atomics).
 
-Arithmetic as the unfused path: x (float32 residual stream), a (the branch's output, in 16 bits under autocast)
-and γ give x1 in float32; the LayerNorm runs in float32 and y is rounded to a's dtype, as the next linear
-layer would round it. Gradients: dx = dx1 (the residual's gradient plus the LayerNorm's), da = dx1·γ in a's
-dtype, dγ = Σ dx1·a, dw = Σ dy·x̂, db = Σ dy.
+Arithmetic as the unfused path: x (float32 residual stream), a (the branch's output, in 16 bits under autocast),
+c and γ give x1 in float32 (a + c is not rounded to 16 bits first, as a linear layer's output with its bias would
+be); the LayerNorm runs in float32 and y is rounded to a's dtype, as the next linear layer would round it.
+Gradients: dx = dx1 (the residual's gradient plus the LayerNorm's), da = dx1·γ in a's dtype, dc = Σ dx1·γ,
+dγ = Σ dx1·(a + c), dw = Σ dy·x̂, db = Σ dy.
 """
 
 from __future__ import annotations
