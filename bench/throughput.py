@@ -16,13 +16,21 @@ peak memory, and the caching allocator's flush-and-retry count (`alloc_retries`,
 batch and prints our rate over its rate. `--profile ROWS [--trace DIR]` prints the costliest kernels of three
 steps and writes their timeline (`bench/kernel_table.py` sums it per kernel). `--device cpu` makes it a smoke
 test.
+
+A `--set` may also hold `py:MODULE.NAME=VALUE` tokens: module-level settings that are not config keys (kernel
+launch settings such as `py:src.models.residual_norm.WARPS=4`, `auto`'s thresholds such as
+`py:src.models.short_attention.AUTO_MAX_LENGTH=64`), set for that configuration only and put back after it. A
+change to such a setting can then be timed against the default in one process, without a branch.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import dataclasses
 import gc
+import importlib
 import json
 import os
 import subprocess
@@ -184,7 +192,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
             f"trainer.device={args.device}", "trainer.progress=false", f"trainer.run_dir={run_dir}"]
     base += ["data=laion_wds", "data.mode=resampled"] if end_to_end else ["data=synthetic_shapes",
                                                                           "data.generate=false"]
-    cfg = compose_config(base + overrides)
+    cfg = compose_config(base + [token for token in overrides if not token.startswith(MODULE_SETTING)])
     if end_to_end:
         cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
@@ -215,6 +223,37 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+MODULE_SETTING = "py:"  # the prefix of a --set token that sets a module-level value, not a config key
+
+
+@contextlib.contextmanager
+def module_settings(assignments: list[str]):
+    """Set each `MODULE.NAME=VALUE` (VALUE a Python literal) for the duration of the block, then put the old
+    values back. A name the module does not have is an error, not a new attribute: a typo would otherwise time
+    the defaults under another name."""
+    saved = []
+    try:
+        for assignment in assignments:
+            target, equals, literal = assignment.partition("=")
+            module_name, _, name = target.rpartition(".")
+            if not equals or not module_name:
+                raise ValueError(f"{MODULE_SETTING}{assignment!r} is not MODULE.NAME=VALUE, e.g. "
+                                 f"{MODULE_SETTING}src.models.residual_norm.WARPS=4")
+            module = importlib.import_module(module_name)
+            if not hasattr(module, name):
+                raise ValueError(f"{MODULE_SETTING}{assignment!r}: {module_name} has no {name!r}")
+            try:
+                value = ast.literal_eval(literal)
+            except (ValueError, SyntaxError) as error:
+                raise ValueError(f"{MODULE_SETTING}{assignment!r}: {literal!r} is not a Python literal") from error
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
 
 
 def run_peer(args) -> dict:
@@ -264,7 +303,9 @@ def main() -> int:
         for end_to_end in (False, True) if args.end_to_end else (False,):
             name = f"{index}{'-end-to-end' if end_to_end else ''}.json"
             trace = os.path.join(args.trace, name) if args.trace else None
-            row = measure(args, overrides, end_to_end, ceiling, trace)
+            settings = [token[len(MODULE_SETTING):] for token in overrides if token.startswith(MODULE_SETTING)]
+            with module_settings(settings):
+                row = measure(args, overrides, end_to_end, ceiling, trace)
             if peer:
                 row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
                 row["peak_vs_openclip"] = row["peak_gib"] / peer["peak_gib"] if row["peak_gib"] else None

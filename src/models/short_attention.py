@@ -30,7 +30,12 @@ except ImportError:
 
 from src.triton_interpreter import interpreting
 
-MAX_LENGTH = 128
+MAX_LENGTH = 128  # the longest sequence the kernel takes: its one tile, and the rows of its saved statistics
+# The longest sequence `auto` gives it; longer ones go to tiled_attention.py's kernel. On an H200 this kernel beat
+# cuDNN's on CLIP's towers of 50 and 77 tokens (docs/BENCHMARKS.md, session 6). The tiled kernel, which would take 77
+# causal tokens as 64 + 16 rows rather than one tile of 128, has not been timed there:
+# `bench/throughput.py --set "py:src.models.short_attention.AUTO_MAX_LENGTH=64"` would.
+AUTO_MAX_LENGTH = MAX_LENGTH
 
 
 def kernel_unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
@@ -58,8 +63,9 @@ def unsupported_reason(qkv: torch.Tensor, heads: int) -> str | None:
 
 def applies(qkv: torch.Tensor, heads: int) -> bool:
     """Whether `model.attention_backend=auto` takes the kernel for `qkv`: on a GPU (not the interpreter), in
-    16 bits, up to MAX_LENGTH tokens."""
-    return qkv.device.type == "cuda" and unsupported_reason(qkv, heads) is None
+    16 bits, up to AUTO_MAX_LENGTH tokens."""
+    return (qkv.device.type == "cuda" and qkv.shape[1] <= AUTO_MAX_LENGTH
+            and unsupported_reason(qkv, heads) is None)
 
 
 def power_of_2(n: int) -> int:

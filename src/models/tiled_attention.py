@@ -17,8 +17,8 @@ rounded to 16 bits before they multiply V), saving each query's log-sum-exp; bac
 probabilities tile by tile, one program per query tile for dQ (it also writes rowsum(dO ∘ O)) and one per key
 tile for dK and dV, so no program adds into another's output. For causal attention, the loops skip the tiles a
 program's queries cannot see. `model.attention_backend=triton_tiled` asks for it at any length; `auto` takes it
-from 129 up to AUTO_MAX_LENGTH tokens (on an H200 it made ViT-L/14's compiled step 1.02x faster and matched
-cuDNN on ViT-H/14's).
+above short_attention.AUTO_MAX_LENGTH (128) up to AUTO_MAX_LENGTH tokens (on an H200 it made ViT-L/14's compiled
+step 1.02x faster and matched cuDNN on ViT-H/14's).
 """
 
 from __future__ import annotations

@@ -89,9 +89,9 @@ class LayerScale(nn.Module):
 
 
 # model.attention_backend -> the SDPA kernels allowed (None: PyTorch's own choice, which on an H200 is cuDNN).
-# auto also takes our kernels where they apply (CUDA, 16 bits): short_attention.py up to 128 tokens,
-# tiled_attention.py up to its AUTO_MAX_LENGTH. triton_short takes the first for every sequence of at most 128
-# tokens, triton_tiled the second for every sequence; both fail where they cannot run.
+# auto also takes our kernels where they apply (CUDA, 16 bits): short_attention.py up to its AUTO_MAX_LENGTH (128
+# tokens), tiled_attention.py above that up to its own AUTO_MAX_LENGTH. triton_short takes the first for every
+# sequence of at most 128 tokens, triton_tiled the second for every sequence; both fail where they cannot run.
 ATTENTION_BACKENDS = {
     "auto": None,
     "triton_short": None,
@@ -163,7 +163,7 @@ class Attention(nn.Module):
         if self.backend == "auto":
             if short_attention.applies(qkv, self.heads):
                 return short_attention.short_attention
-            if not short and tiled_attention.applies(qkv, self.heads):
+            if tiled_attention.applies(qkv, self.heads):  # the sequences short_attention's `auto` leaves
                 return tiled_attention.tiled_attention
         return None
 

@@ -67,6 +67,14 @@ def test_auto_takes_our_kernels_where_they_apply_in_16_bits(monkeypatch):
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             tower(torch.randn(4, tokens, 128, device="cuda"), causal=True)
         assert calls == expected, (tokens, bf16)
+    # A lower threshold for the one-tile kernel (bench/throughput.py --set "py:...AUTO_MAX_LENGTH=64") hands the
+    # text towers' 77 tokens to the tiled kernel.
+    monkeypatch.setattr(short_attention_module, "AUTO_MAX_LENGTH", 64)
+    for tokens, expected in ((50, ["short_attention"]), (77, ["tiled_attention"])):
+        calls.clear()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            tower(torch.randn(4, tokens, 128, device="cuda"), causal=True)
+        assert calls == expected, tokens
     # Heads of 80 features (ViT-H/14's) too, as two column blocks.
     tower = Transformer(160, 1, 2, 4.0, ls_init_value=0.1).cuda()
     tower.init_weights()
