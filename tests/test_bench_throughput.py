@@ -25,10 +25,10 @@ def test_throughput_bench_smoke_run(tmp_path):
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
 
 
-def test_module_settings_hold_for_one_configuration_and_name_typos():
+def test_module_settings_hold_for_one_configuration_and_refuse_typos():
     """`--set "py:MODULE.NAME=VALUE"` (bench/throughput.py): the value holds inside the block and the old one is
     back after it, also when the block fails; a name the module lacks, or a value that is not a literal, is refused
-    before anything changes."""
+    before the block runs, and the settings already made are put back."""
     from bench.throughput import module_settings
     from src.models import residual_norm, short_attention
 

@@ -94,8 +94,8 @@ if triton is not None:
                                        HAS_GRAD_X1: tl.constexpr, STREAM_IS_SUM: tl.constexpr,
                                        HAS_A_BIAS: tl.constexpr):
         """dx and da per row; per program, its partial column sums of dγ, dw, db and, with a bias on a, of that
-        bias ([3 or 4, programs, width]). The saved stream is x1 where STREAM_IS_SUM, else x (and x1 = x + γ·a
-        is formed again)."""
+        bias ([3 or 4, programs, width]). The saved stream is x1 where STREAM_IS_SUM, else x (and
+        x1 = x + γ·(a + bias) is formed again)."""
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
         gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
@@ -152,6 +152,7 @@ def _forward(x: torch.Tensor, a: torch.Tensor, a_bias: torch.Tensor | None, gamm
     rows, width = x.shape
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
+    # Without a_bias, γ stands in for its pointer, which the kernel then never reads.
     _residual_norm_forward_kernel[(_grid(rows),)](x, a, gamma if a_bias is None else a_bias, gamma, weight, bias,
                                                   x1, y, mean, rstd, rows, width, eps,
                                                   BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
