@@ -5,11 +5,18 @@ per SM (an SM holds 65,536 registers).
 
     python bench/kernel_resources.py [--configs 64,4,3 64,4,3,32] [--head-dims 64 80] [--length 257] [--causal]
     python bench/kernel_resources.py --residual-norm [--configs 32,8,3 32,4,1] [--widths 768 1280]
+    python bench/kernel_resources.py --gelu
 
 Tiled attention (src/models/tiled_attention.py, the default): a config is BLOCK,WARPS,STAGES[,STEP] as in
 bench/short_attention.py --tiled-configs (STAGES 0: the module's default for the head size). Residual norm
 (src/models/residual_norm.py, `--residual-norm`, a bf16 branch output): a config is ROWS,WARPS[,STAGES] as in
 bench/residual_norm.py --configs.
+
+Every row also counts the kernel's SASS instructions. `--gelu` compiles element-wise GELU kernels written here for
+the count alone (bf16 in and out, 8 elements per thread), forward and backward: the exact GELU with CUDA's erf (the
+arithmetic of F.gelu under torch.compile), the same GELU with Φ from Numerical Recipes' erfc fit, the tanh form,
+and h·h, which moves the same bytes with almost no arithmetic. Per element, against the memory time of its bytes,
+the count tells whether a kernel is bound by its arithmetic (at about 33.5·10¹² lane-instructions/s on an H200).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import tempfile
 from collections.abc import Iterator
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -67,8 +75,10 @@ def resources(kernel, signature: dict, constexprs: dict, options: dict) -> dict:
                                check=True).stdout
     fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split()
                   if ":" in item and item.split(":")[0] in ("REG", "STACK"))
+    sass = [line for line in compiled.asm["sass"].splitlines()
+            if line.strip()[:3].endswith(":") and "NOP" not in line]  # nvdisasm's "--:-:-:-:2  FFMA ..." lines
     return {"registers": int(fields["REG"]), "spill_stack_bytes": int(fields["STACK"]),
-            "shared_bytes": compiled.metadata.shared}
+            "shared_bytes": compiled.metadata.shared, "sass_instructions": len(sass)}
 
 
 def attention_rows(args: argparse.Namespace) -> Iterator[dict]:
@@ -98,9 +108,68 @@ def residual_norm_rows(args: argparse.Namespace) -> Iterator[dict]:
                        **resources(kernel, signature, settings | own, {"num_warps": warps})}
 
 
+GELU_BLOCK, GELU_WARPS = 1024, 4  # 8 elements per thread
+
+
+@triton.jit
+def _cdf(z, FORM: tl.constexpr):
+    """Φ(z) as each exact form computes it."""
+    if FORM == "erf":
+        return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    half_erfc = 0.0
+    if FORM == "erfc_fit":
+        x = tl.abs(z) * 0.7071067811865476
+        t = 1.0 / (1.0 + 0.5 * x)
+        p = ((((((((0.17087277 * t - 0.82215223) * t + 1.48851587) * t - 1.13520398) * t + 0.27886807) * t
+                - 0.18628806) * t + 0.09678418) * t + 0.37409196) * t + 1.00002368) * t - 1.26551223
+        half_erfc = 0.5 * t * tl.exp(p - x * x)
+    return tl.where(z >= 0, 1.0 - half_erfc, half_erfc)
+
+
+@triton.jit
+def _gelu_forward(h_ptr, g_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(h_ptr + offsets, mask=offsets < n).to(tl.float32)
+    if FORM == "square":
+        g = z * z
+    elif FORM == "tanh":
+        g = 0.5 * z * (1.0 + (2.0 * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z)) - 1.0))
+    else:
+        g = z * _cdf(z, FORM)
+    tl.store(g_ptr + offsets, g.to(tl.bfloat16), mask=offsets < n)
+
+
+@triton.jit
+def _gelu_backward(grad_ptr, h_ptr, dh_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(h_ptr + offsets, mask=offsets < n).to(tl.float32)
+    grad = tl.load(grad_ptr + offsets, mask=offsets < n).to(tl.float32)
+    if FORM == "square":
+        derivative = 2.0 * z
+    elif FORM == "tanh":
+        inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        derivative = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+    else:
+        derivative = _cdf(z, FORM) + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+    tl.store(dh_ptr + offsets, (grad * derivative).to(tl.bfloat16), mask=offsets < n)
+
+
+def gelu_rows(args: argparse.Namespace) -> Iterator[dict]:
+    for form in ("erf", "erfc_fit", "tanh", "square"):
+        for name, kernel, pointers in (("forward", _gelu_forward, ("h_ptr", "g_ptr")),
+                                       ("backward", _gelu_backward, ("grad_ptr", "h_ptr", "dh_ptr"))):
+            signature = {pointer: "*bf16" for pointer in pointers} | {"n": "i32"}
+            row = resources(kernel, signature, {"FORM": form, "BLOCK": GELU_BLOCK}, {"num_warps": GELU_WARPS})
+            per_thread = GELU_BLOCK // (32 * GELU_WARPS)
+            yield {"form": form, "kernel": name, **row,
+                   "sass_per_element": round(row["sass_instructions"] / per_thread, 1)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--residual-norm", action="store_true", help="the residual + LayerNorm kernels")
+    parser.add_argument("--gelu", action="store_true", help="instructions of GELU's forms, forward and backward")
     parser.add_argument("--configs", nargs="+", default=None, help="default: 64,4,0 (attention), 32,4 (norm)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 80])
     parser.add_argument("--length", type=int, default=257)
@@ -110,7 +179,8 @@ def main() -> int:
     if args.configs is None:
         args.configs = [f"{residual_norm.ROWS},{residual_norm.WARPS},{residual_norm.STAGES}"] \
             if args.residual_norm else ["64,4,0"]
-    for row in (residual_norm_rows if args.residual_norm else attention_rows)(args):
+    rows = gelu_rows if args.gelu else residual_norm_rows if args.residual_norm else attention_rows
+    for row in rows(args):
         print(json.dumps(row), flush=True)
     return 0
 

@@ -121,3 +121,18 @@ def test_kernel_table_names_the_cpu_ops_that_launched_a_kernel(tmp_path):
     assert [line.split(None, 1) for line in callers] == [
         ["0.20", "reduce_kernel  <-  aten::sum < stableclip::residual_norm_backward"],
         ["0.10", "direct_copy_kernel  <-  aten::copy_"]]
+
+
+def test_kernel_resources_counts_gelu_instructions_without_a_gpu():
+    """bench/kernel_resources.py --gelu compiles GELU's forms for sm_90 on this CPU and counts their SASS
+    instructions: the exact GELU's erf costs far more than the bytes it moves (h·h), the tanh form in between."""
+    pytest.importorskip("triton")
+    result = subprocess.run([sys.executable, "bench/kernel_resources.py", "--gelu"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(row["form"], row["kernel"]): row["sass_per_element"]
+            for row in map(json.loads, result.stdout.splitlines())}
+    assert set(rows) == {(form, kernel) for form in ("erf", "erfc_fit", "tanh", "square")
+                         for kernel in ("forward", "backward")}
+    for kernel in ("forward", "backward"):
+        assert 0 < rows["square", kernel] < rows["tanh", kernel] < rows["erf", kernel]
