@@ -15,6 +15,7 @@ from src.models import residual_norm as rn
 from src.models.transformer import Transformer, set_residual_norm
 
 pytest.importorskip("triton")
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the subprocess")
@@ -90,6 +91,39 @@ def test_refuses_a_float64_branch_output():
 def test_refuses_the_cpu_with_the_reason():
     with pytest.raises(ValueError, match="residual_norm=fused cannot run here: it needs a CUDA GPU"):
         rn.residual_norm(*inputs(4, 8))
+
+
+class KernelWithSharedMemoryFor:
+    """A stand-in for a Triton kernel on a GPU whose shared memory holds `stages` pipelining stages: more, and the
+    launch is refused as Triton refuses it, before anything runs."""
+
+    def __init__(self, stages: int):
+        self.stages, self.launched, self.refused = stages, [], 0
+
+    def __getitem__(self, grid):
+        def launch(*args, STAGES: int, **meta):
+            if STAGES > self.stages:
+                self.refused += 1
+                raise OutOfResources(16_384 * STAGES, 16_384 * self.stages, "shared memory")
+            self.launched.append((grid, STAGES, meta["BLOCK_W"]))
+        return launch
+
+
+@pytest.mark.skipif(INTERPRETED, reason="no kernel runs")
+def test_launches_fall_back_to_fewer_stages_where_shared_memory_is_short(monkeypatch):
+    """On GPUs with less shared memory per block than a Hopper's, wide rows do not fit STAGES stages: the launch
+    takes as many as fit, remembers that for the width, and fails with Triton's error only where even one does not."""
+    monkeypatch.setattr(rn, "STAGES", 3)
+    monkeypatch.setattr(rn, "_fitting_stages", {})
+    kernel = KernelWithSharedMemoryFor(1)
+    for _ in range(2):
+        rn._launch(kernel, 7, torch.device("cuda", 0), BLOCK_W=8192)
+    assert kernel.launched == [((7,), 1, 8192)] * 2 and kernel.refused == 2  # 3 and 2, the first time only
+    roomy = KernelWithSharedMemoryFor(3)
+    rn._launch(roomy, 7, torch.device("cuda", 0), BLOCK_W=1024)
+    assert roomy.launched == [((7,), 3, 1024)] and roomy.refused == 0
+    with pytest.raises(OutOfResources):
+        rn._launch(KernelWithSharedMemoryFor(0), 7, torch.device("cuda", 0), BLOCK_W=16_384)
 
 
 def counting_calls(monkeypatch) -> list:

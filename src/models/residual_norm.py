@@ -25,6 +25,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:
     triton = None
 
@@ -143,6 +144,28 @@ def _grid(rows: int) -> int:
     return triton.cdiv(rows, ROWS)
 
 
+# The pipelining stages that fit in shared memory, per (kernel, STAGES, padded width, device): STAGES, or fewer on GPUs
+# with less shared memory per block than a Hopper's. The backward keeps 16 bytes per padded column per 3 stages: 131 KB
+# at width 8192, where consumer GPUs have about 99 KB.
+_fitting_stages: dict[tuple, int] = {}
+
+
+def _launch(kernel, programs: int, device: torch.device, *args, BLOCK_W: int, **meta) -> None:
+    """kernel[(programs,)](*args) with as many pipelining stages, up to STAGES, as the GPU's shared memory holds.
+    Triton refuses a kernel that needs more before it launches, so a refused launch is retried with fewer."""
+    key = (id(kernel), STAGES, BLOCK_W, device)
+    stages = _fitting_stages.get(key, STAGES)
+    while True:
+        try:
+            kernel[(programs,)](*args, BLOCK_W=BLOCK_W, STAGES=stages, **meta)
+            break
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+    _fitting_stages[key] = stages
+
+
 @torch.library.custom_op("stableclip::residual_norm_forward", mutates_args=())
 def _forward(x: torch.Tensor, a: torch.Tensor, a_bias: torch.Tensor | None, gamma: torch.Tensor,
              weight: torch.Tensor, bias: torch.Tensor, eps: float, save_sum: bool,
@@ -153,10 +176,9 @@ def _forward(x: torch.Tensor, a: torch.Tensor, a_bias: torch.Tensor | None, gamm
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
     # Without a_bias, γ stands in for its pointer, which the kernel then never reads.
-    _residual_norm_forward_kernel[(_grid(rows),)](x, a, gamma if a_bias is None else a_bias, gamma, weight, bias,
-                                                  x1, y, mean, rstd, rows, width, eps,
-                                                  BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
-                                                  STAGES=STAGES, HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
+    _launch(_residual_norm_forward_kernel, _grid(rows), x.device, x, a, gamma if a_bias is None else a_bias, gamma,
+            weight, bias, x1, y, mean, rstd, rows, width, eps, BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
+            HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
     return x1, y, mean, rstd
 
 
@@ -175,12 +197,10 @@ def _backward(grad_x1: torch.Tensor | None, grad_y: torch.Tensor, stream: torch.
     programs = _grid(rows)
     dx, da = torch.empty_like(stream), torch.empty_like(a)
     partial = stream.new_empty(3 if a_bias is None else 4, programs, width)
-    _residual_norm_backward_kernel[(programs,)](grad_x1 if grad_x1 is not None else dx, grad_y, stream, a,
-                                                gamma if a_bias is None else a_bias, gamma, weight, mean, rstd, dx,
-                                                da, partial, rows, width, programs,
-                                                BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, STAGES=STAGES,
-                                                HAS_GRAD_X1=grad_x1 is not None, STREAM_IS_SUM=stream_is_sum,
-                                                HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
+    _launch(_residual_norm_backward_kernel, programs, stream.device, grad_x1 if grad_x1 is not None else dx, grad_y,
+            stream, a, gamma if a_bias is None else a_bias, gamma, weight, mean, rstd, dx, da, partial, rows, width,
+            programs, BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, HAS_GRAD_X1=grad_x1 is not None,
+            STREAM_IS_SUM=stream_is_sum, HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
     return dx, da, partial.sum(1)  # one launch for all; a fixed order: deterministic
 
 
