@@ -300,11 +300,11 @@ def main() -> int:
         os.makedirs(args.trace, exist_ok=True)
     for index, setting in enumerate(args.set or [""]):
         overrides = setting.split()
+        assignments = [token[len(MODULE_SETTING):] for token in overrides if token.startswith(MODULE_SETTING)]
         for end_to_end in (False, True) if args.end_to_end else (False,):
             name = f"{index}{'-end-to-end' if end_to_end else ''}.json"
             trace = os.path.join(args.trace, name) if args.trace else None
-            settings = [token[len(MODULE_SETTING):] for token in overrides if token.startswith(MODULE_SETTING)]
-            with module_settings(settings):
+            with module_settings(assignments):
                 row = measure(args, overrides, end_to_end, ceiling, trace)
             if peer:
                 row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
