@@ -1,7 +1,8 @@
 """Is the MLP's exact GELU bound by memory or by its arithmetic? Compiled forward + backward on one H200, at the MLP
 shapes of the throughput benchmark, taking turns in the same rounds:
 
-- `exact`: F.gelu(h), as our blocks run it (erf);
+- `exact`: F.gelu(h), as our blocks run it with `model.gelu=erf`;
+- `rational`: the same GELU with Φ from a rational fit of erf (`model.gelu=rational`, src/models/gelu.py);
 - `tanh`: F.gelu(h, approximate="tanh"), the same bytes with cheaper arithmetic;
 - `square`: h * h, the same bytes (its gradient 2·h·dg reads h too) with almost no arithmetic: what the memory
   allows.
@@ -9,7 +10,8 @@ shapes of the throughput benchmark, taking turns in the same rounds:
     python bench/gelu.py [--iters 10] [--rounds 3]
 
 h is bf16 and its gradient bf16, as under autocast. Session 12's profiles had Inductor's GELU kernels at about half
-the memory bandwidth (docs/BENCHMARKS.md). If `exact` is well behind `tanh` and `square`, the erf is what costs.
+the memory bandwidth (docs/BENCHMARKS.md). If `exact` is well behind `tanh` and `square`, the erf is what costs,
+and `rational` shows how much of it a cheaper erf wins back.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
+from src.models.gelu import rational_gelu  # noqa: E402
 
 # (what, tokens, hidden): the MLP's hidden activations at the throughput benchmark's batches
 SHAPES = [("ViT-B/32 image tower", 1024 * 50, 3072), ("ViT-B/32 text tower", 1024 * 77, 2048),
           ("ViT-L/14 image tower", 256 * 257, 4096), ("ViT-H/14 image tower", 256 * 257, 5120)]
-FORMS = {"exact": F.gelu, "tanh": lambda h: F.gelu(h, approximate="tanh"), "square": lambda h: h * h}
+FORMS = {"exact": F.gelu, "rational": rational_gelu, "tanh": lambda h: F.gelu(h, approximate="tanh"),
+         "square": lambda h: h * h}
 BYTES_PER_ELEMENT = (2 + 2) + (2 + 2 + 2)  # forward: read h, write g; backward: read dg and h, write dh
 
 

@@ -68,6 +68,7 @@ class ModelConfig:
     checkpoint_every: int = 1
     attention_backend: str = "auto"
     residual_norm: str = "auto"
+    gelu: str = "auto"
     linear: str = "standard"
     linear_backend: str = "cuda"
     init_from: str | None = None

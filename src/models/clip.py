@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config import ModelConfig
+from src.models.gelu import set_gelu
 from src.models.switchback.convert import check_linear_choice, convert_to_switchback
 from src.models.transformer import Transformer, set_attention_backend, set_residual_norm
 from src.models.vision import VisionTransformer
@@ -40,6 +41,7 @@ class CLIP(nn.Module):
         self.set_checkpointing("full" if legacy else cfg.checkpoint_policy, cfg.checkpoint_every)
         set_attention_backend(self, cfg.attention_backend)
         set_residual_norm(self, cfg.residual_norm)
+        set_gelu(self, cfg.gelu)
 
     def init_weights(self) -> None:
         """Initialise every parameter; called after `to_empty()` when the model was built on `meta`."""

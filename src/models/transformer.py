@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from src.models import residual_norm, short_attention, tiled_attention
 from src.models.autocast import autocast_dtype
+from src.models.gelu import GELU
 from src.models.switchback.convert import SwitchBackLinear
 from src.models.switchback.functions import switchback_linear
 
@@ -196,7 +197,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(OrderedDict([
             ("c_fc", nn.Linear(width, hidden)),
-            ("gelu", QuickGELU() if quick_gelu else nn.GELU()),
+            ("gelu", QuickGELU() if quick_gelu else GELU()),
             ("c_proj", nn.Linear(hidden, width)),
         ]))
         self.ls_2 = LayerScale(width, ls_init_value) if ls_init_value is not None else nn.Identity()
