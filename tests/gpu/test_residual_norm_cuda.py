@@ -91,3 +91,51 @@ def test_chained_blocks_train_like_unfused_ones(monkeypatch):
     for want, theirs, ours in zip(exact, unfused, chained):
         assert rel_error(ours, want) <= 2 * rel_error(theirs, want) + 1e-3, (rel_error(ours, want),
                                                                              rel_error(theirs, want))
+
+
+@pytest.mark.parametrize("width", [768, 1024, 1280])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_copy_is_switchbacks_quantization_of_y(width, dtype):
+    """quantize_fp8 on the GPU: the e4m3 copy and scales equal SwitchBack's row quantizer's of y, bit for bit,
+    at the towers' widths and a row count that leaves the last program part empty."""
+    from src.models.residual_norm import residual_norm
+    from src.models.switchback import kernels
+
+    torch.manual_seed(width)
+    rows = 4111
+    x = torch.randn(rows, width, device="cuda") * 3 + 1
+    a = torch.randn(rows, width, device="cuda").to(dtype)
+    gamma, weight, bias = torch.rand(width, device="cuda") + 0.1, *(torch.randn(width, device="cuda") for _ in "wb")
+    x1, y, (q, scale) = residual_norm(x, a, gamma, weight, bias, save_sum=True, quantize_fp8=True)
+    want_q, want_scale, _ = kernels.quantize_rows(y, fp8=True)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    plain_x1, plain_y = residual_norm(x, a, gamma, weight, bias, save_sum=True)
+    assert torch.equal(x1, plain_x1) and torch.equal(y, plain_y)
+
+
+def test_fp8_tower_takes_the_norms_fp8_copy_with_the_same_result(monkeypatch):
+    """A chained ViT-H/14-wide tower with fp8 SwitchBack layers: the same output, bit for bit, and the same
+    gradients, whether its layers quantize their inputs or take the norms' e4m3 copies."""
+    from src.models import transformer as tr
+    from src.models.switchback.convert import convert_to_switchback
+
+    def run(prequantize: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(tr, "PREQUANTIZE_FP8", prequantize)
+        torch.manual_seed(0)
+        tower = tr.Transformer(width=1280, layers=3, heads=16, mlp_ratio=4.0, ls_init_value=0.5).cuda()
+        tower.init_weights()
+        convert_to_switchback(tower, "switchback_fp8", "cuda")
+        final_norm = torch.nn.LayerNorm(1280).cuda()
+        x = torch.randn(4, 257, 1280, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        x.requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = tower(x, final_norm=final_norm)
+        out.float().square().mean().backward()
+        return [out, x.grad, *(p.grad for p in tower.parameters())]
+
+    got, want = run(True), run(False)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:], strict=True):  # cuBLAS may sum the weight gradients in another order
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-6)
