@@ -48,13 +48,11 @@ ATTENTION_KERNELS = {  # name: (kernel, its pointer arguments, its float argumen
     "grad_key": (tiled_attention._tiled_grad_key_kernel, ("qkv", "grad_out", "lse", "delta", "grad_qkv"),
                  ("scale", "scale_log2")),
 }
-_NORM_FORWARD = {"x_ptr": "*fp32", "a_ptr": "*bf16", "a_bias_ptr": "*fp32", "gamma_ptr": "*fp32", "w_ptr": "*fp32",
-                 "b_ptr": "*fp32", "x1_ptr": "*fp32", "y_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-                 "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "rows": "i32", "width": "i32", "eps": "fp32"}
 RESIDUAL_NORM_KERNELS = {  # name: (kernel, its full signature, its own compile-time settings)
-    "forward": (residual_norm._residual_norm_forward_kernel, _NORM_FORWARD, {"HAS_A_BIAS": True, "QUANTIZE": False}),
-    "forward, fp8 copy": (residual_norm._residual_norm_forward_kernel, _NORM_FORWARD,
-                          {"HAS_A_BIAS": True, "QUANTIZE": True}),
+    "forward": (residual_norm._residual_norm_forward_kernel,
+                {"x_ptr": "*fp32", "a_ptr": "*bf16", "a_bias_ptr": "*fp32", "gamma_ptr": "*fp32", "w_ptr": "*fp32",
+                 "b_ptr": "*fp32", "x1_ptr": "*fp32", "y_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+                 "rows": "i32", "width": "i32", "eps": "fp32"}, {"HAS_A_BIAS": True}),
     "backward": (residual_norm._residual_norm_backward_kernel,
                  {"grad_x1_ptr": "*fp32", "grad_y_ptr": "*bf16", "stream_ptr": "*fp32", "a_ptr": "*bf16",
                   "a_bias_ptr": "*fp32", "gamma_ptr": "*fp32", "w_ptr": "*fp32", "mean_ptr": "*fp32",

@@ -198,5 +198,5 @@ def test_custom_ops_pass_torch_library_checks(variant):
     checks = ("test_autograd_registration", "test_faketensor")
     if not VARIANTS[variant].fp8:  # the schema checker multiplies outputs, which CPU fp8 tensors cannot do
         checks += ("test_schema",)
-    torch.library.opcheck(torch.ops.stableclip.switchback_forward.default, (x, w, b, variant, "reference", None, None),
+    torch.library.opcheck(torch.ops.stableclip.switchback_forward.default, (x, w, b, variant, "reference"),
                           test_utils=checks)

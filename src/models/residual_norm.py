@@ -16,11 +16,6 @@ c and γ give x1 in float32 (a + c is not rounded to 16 bits first, as a linear 
 be); the LayerNorm runs in float32 and y is rounded to a's dtype, as the next linear layer would round it.
 Gradients: dx = dx1 (the residual's gradient plus the LayerNorm's), da = dx1·γ in a's dtype, dc = Σ dx1·γ,
 dγ = Σ dx1·(a + c), dw = Σ dy·x̂, db = Σ dy.
-
-Where the layer after the norm is an fp8 SwitchBack layer (`quantize_fp8`), the forward kernel also writes y's
-row-wise e4m3 copy and scales, with the arithmetic of SwitchBack's row quantizer (`switchback.kernels`) on y as
-rounded to a's dtype: the layer then skips its own pass over y (0.15 ms per ViT-H/14 layer input, about half the
-memory bandwidth at width 1280; docs/BENCHMARKS.md, session 13).
 """
 
 from __future__ import annotations
@@ -34,11 +29,7 @@ try:
 except ImportError:
     triton = None
 
-from src.models.switchback.reference import FP8_DTYPE
 from src.triton_interpreter import interpreting
-
-if triton is not None:
-    from src.models.switchback.kernels import _dequantize_scale, _nonzero, _quantize_values
 
 ROWS = 32  # rows per program: fewer partial column sums to write and add, against fewer programs in flight
 # Warps per program and software-pipelining stages of its loop over rows (1: none), so that the next rows' loads
@@ -47,7 +38,6 @@ ROWS = 32  # rows per program: fewer partial column sums to write and add, again
 WARPS = 8
 STAGES = 3
 MODES = ("auto", "fused", "unfused")
-Fp8Copy = tuple[torch.Tensor, torch.Tensor]  # an e4m3 tensor [rows, width] and its row scales [rows, 1] (float32)
 
 
 def applies(x: torch.Tensor, a: torch.Tensor) -> bool:
@@ -76,9 +66,8 @@ if triton is not None:
 
     @triton.jit
     def _residual_norm_forward_kernel(x_ptr, a_ptr, a_bias_ptr, gamma_ptr, w_ptr, b_ptr, x1_ptr, y_ptr, mean_ptr,
-                                      rstd_ptr, q_ptr, scale_ptr, rows, width, eps, BLOCK_W: tl.constexpr,
-                                      ROWS: tl.constexpr, STAGES: tl.constexpr, HAS_A_BIAS: tl.constexpr,
-                                      QUANTIZE: tl.constexpr):
+                                      rstd_ptr, rows, width, eps, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+                                      STAGES: tl.constexpr, HAS_A_BIAS: tl.constexpr):
         cols = tl.arange(0, BLOCK_W)
         inside = cols < width
         gamma = tl.load(gamma_ptr + cols, mask=inside, other=0.0)
@@ -95,13 +84,7 @@ if triton is not None:
             mean = tl.sum(x1, axis=0) / width
             centered = tl.where(mask, x1 - mean, 0.0)
             rstd = 1.0 / tl.sqrt_rn(tl.sum(centered * centered, axis=0) / width + eps)
-            y = (centered * rstd * w + b).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + offsets, y, mask=mask)
-            if QUANTIZE:  # y as stored, quantized as SwitchBack's row quantizer would read it back
-                stored = tl.where(mask, y.to(tl.float32), 0.0)
-                amax = _nonzero(tl.max(tl.abs(stored), axis=0))
-                tl.store(q_ptr + offsets, _quantize_values(stored, amax, True), mask=mask)
-                tl.store(scale_ptr + row, _dequantize_scale(amax, True), mask=row < rows)
+            tl.store(y_ptr + offsets, (centered * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(mean_ptr + row, mean, mask=row < rows)
             tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
@@ -183,38 +166,25 @@ def _launch(kernel, programs: int, device: torch.device, *args, BLOCK_W: int, **
     _fitting_stages[key] = stages
 
 
-def _fp8_outputs(x: torch.Tensor, quantize_fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """y's e4m3 copy [rows, width] and its scales [rows, 1], or two distinct empty tensors (an op's outputs may
-    not alias) where they are not asked for."""
-    if not quantize_fp8:
-        return x.new_empty(0), x.new_empty(0)
-    return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), x.new_empty(x.shape[0], 1)
-
-
 @torch.library.custom_op("stableclip::residual_norm_forward", mutates_args=())
 def _forward(x: torch.Tensor, a: torch.Tensor, a_bias: torch.Tensor | None, gamma: torch.Tensor,
-             weight: torch.Tensor, bias: torch.Tensor, eps: float, save_sum: bool, quantize_fp8: bool,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x1, y, mean, rstd, y's e4m3 copy, its row scales) for 2-D x [rows, width] (float32) and a (float32 or 16
-    bits); the last two are empty unless `quantize_fp8`. `save_sum` says what the autograd context keeps, not
-    what is computed."""
+             weight: torch.Tensor, bias: torch.Tensor, eps: float, save_sum: bool,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x1, y, mean, rstd) for 2-D x [rows, width] (float32) and a (float32 or 16 bits); `save_sum` says what
+    the autograd context keeps, not what is computed."""
     rows, width = x.shape
     x1, y = torch.empty_like(x), torch.empty_like(a)
     mean, rstd = x.new_empty(rows), x.new_empty(rows)
-    q, scale = _fp8_outputs(x, quantize_fp8)
-    # Without a_bias, γ stands in for its pointer, which the kernel then never reads; y and mean likewise for q's
-    # and the scales'.
+    # Without a_bias, γ stands in for its pointer, which the kernel then never reads.
     _launch(_residual_norm_forward_kernel, _grid(rows), x.device, x, a, gamma if a_bias is None else a_bias, gamma,
-            weight, bias, x1, y, mean, rstd, q if quantize_fp8 else y, scale if quantize_fp8 else mean, rows, width,
-            eps, BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS, HAS_A_BIAS=a_bias is not None,
-            QUANTIZE=quantize_fp8, num_warps=WARPS)
-    return x1, y, mean, rstd, q, scale
+            weight, bias, x1, y, mean, rstd, rows, width, eps, BLOCK_W=triton.next_power_of_2(width), ROWS=ROWS,
+            HAS_A_BIAS=a_bias is not None, num_warps=WARPS)
+    return x1, y, mean, rstd
 
 
 @_forward.register_fake
-def _(x, a, a_bias, gamma, weight, bias, eps, save_sum, quantize_fp8):
-    return (torch.empty_like(x), torch.empty_like(a), x.new_empty(x.shape[0]), x.new_empty(x.shape[0]),
-            *_fp8_outputs(x, quantize_fp8))
+def _(x, a, a_bias, gamma, weight, bias, eps, save_sum):
+    return torch.empty_like(x), torch.empty_like(a), x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
 
 
 @torch.library.custom_op("stableclip::residual_norm_backward", mutates_args=())
@@ -243,20 +213,19 @@ def _(grad_x1, grad_y, stream, a, a_bias, gamma, weight, mean, rstd, stream_is_s
 def _setup_context(ctx, inputs, output) -> None:
     # One float32 stream tensor is kept, whichever is kept anyway (residual_norm's save_sum says which): saving
     # both would cost 4 bytes per activation more (12 GiB on a ViT-H/14 step at batch 256).
-    x, a, a_bias, gamma, weight, bias, eps, save_sum, _ = inputs
-    x1, _, mean, rstd, q, scale = output
-    ctx.mark_non_differentiable(q, scale)
+    x, a, a_bias, gamma, weight, bias, eps, save_sum = inputs
+    x1, _, mean, rstd = output
     ctx.save_sum = save_sum
     ctx.save_for_backward(x1 if save_sum else x, a, a_bias, gamma, weight, mean, rstd)
 
 
-def _grads(ctx, grad_x1, grad_y, _grad_mean, _grad_rstd, _grad_q, _grad_scale):
+def _grads(ctx, grad_x1, grad_y, _grad_mean, _grad_rstd):
     stream, a, a_bias, gamma, weight, mean, rstd = ctx.saved_tensors
     dx, da, column_sums = _backward(grad_x1, grad_y.to(a.dtype).contiguous(), stream, a, a_bias, gamma, weight,
                                     mean, rstd, ctx.save_sum)
     dgamma, dweight, dbias = column_sums[:3]
     da_bias = column_sums[3].to(a_bias.dtype) if a_bias is not None else None
-    return dx, da, da_bias, dgamma, dweight, dbias, None, None, None
+    return dx, da, da_bias, dgamma, dweight, dbias, None, None
 
 
 _forward.register_autograd(_grads, setup_context=_setup_context)
@@ -264,21 +233,16 @@ _forward.register_autograd(_grads, setup_context=_setup_context)
 
 def residual_norm(x: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor, eps: float = 1e-5, save_sum: bool = False, a_bias: torch.Tensor | None = None,
-                  quantize_fp8: bool = False,
-                  ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Fp8Copy]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x1, y) = (x + γ·(a + a_bias), LayerNorm(x1) in a's dtype) over the last dimension, for x [..., width]
     float32 and a of x's shape in float32 or 16 bits; γ, weight, bias and a_bias (None: none) [width] float32.
     a_bias is the bias of the linear layer that wrote a, which then runs without it: its gradient is summed here
     with the other column sums, not in a reduction of its own over da. For the backward it keeps x, or x1 where
-    `save_sum`: in a block, x is the block's input and x1 the next block's, which are kept anyway. With
-    `quantize_fp8`, (x1, y, (y's e4m3 copy [rows, width], its row scales [rows, 1])), rows = x.numel() / width:
-    what switchback_linear's `x_fp8` takes, bit for bit what its own quantizer would make of y."""
+    `save_sum`: in a block, x is the block's input and x1 the next block's, which are kept anyway."""
     reason = unsupported_reason(x, a)
     if reason is not None:
         raise ValueError(f"model.residual_norm=fused cannot run here: {reason}; or set it to auto or unfused")
     width = x.shape[-1]
-    x1, y, _, _, q, scale = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), a_bias,
-                                     gamma, weight, bias, eps, save_sum, quantize_fp8)
-    if quantize_fp8:
-        return x1.view(x.shape), y.view(a.shape), (q, scale)
+    x1, y, _, _ = _forward(x.reshape(-1, width).contiguous(), a.reshape(-1, width).contiguous(), a_bias, gamma,
+                           weight, bias, eps, save_sum)
     return x1.view(x.shape), y.view(a.shape)

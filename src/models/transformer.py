@@ -27,9 +27,6 @@ from src.models.switchback.convert import SwitchBackLinear
 from src.models.switchback.functions import switchback_linear
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
-# Where the residual-norm kernels run before fp8 SwitchBack layers (qkv after ln_1, c_fc after ln_2), they also
-# write the e4m3 copy of their output, and the layers skip their own quantizer pass over it (residual_norm.py).
-PREQUANTIZE_FP8 = True
 
 # Ops whose outputs `selective` keeps: the FLOPs of a block. Re-running them would cost nearly a second
 # forward; everything else in a block is memory-bound and cheap to redo. Attention comes in one op per SDPA
@@ -147,14 +144,9 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(width, width)
         self.backend = "auto"  # a key of ATTENTION_BACKENDS; set_attention_backend sets it
 
-    def forward(self, x: torch.Tensor, causal: bool = False, out_bias: bool = True,
-                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention of x; without out_proj's bias where `out_bias` is False (the caller adds it). `x_fp8`: x's
-        e4m3 copy for an fp8 SwitchBack QKV projection (switchback_linear's x_fp8)."""
-        if x_fp8 is None:
-            qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
-        else:
-            qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias, x_fp8=x_fp8)
+    def forward(self, x: torch.Tensor, causal: bool = False, out_bias: bool = True) -> torch.Tensor:
+        """Attention of x; without out_proj's bias where `out_bias` is False (the caller adds it)."""
+        qkv = self.linear(x, self.in_proj_weight, self.in_proj_bias)
         kernel = self._our_kernel(qkv)
         if kernel is not None:
             out = kernel(qkv, self.heads, causal)
@@ -213,62 +205,43 @@ class Block(nn.Module):
         self.residual_norm = "auto"  # one of residual_norm.MODES; set_residual_norm sets it
 
     def forward(self, x: torch.Tensor, causal: bool = False, normed: torch.Tensor | None = None,
-                next_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
-                normed_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                next_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The block's output for input x. In a chain of blocks (Transformer.forward), `normed` is this block's
-        ln_1(x), computed by the block before (with its e4m3 copy `normed_fp8` where that block wrote one), and
-        `next_norm` the (weight, bias, eps, whether to write the e4m3 copy) of the norm after this block: the
-        block then returns (output, that norm of it, its e4m3 copy or None), its closing residual and the next
-        norm in one kernel."""
+        ln_1(x), computed by the block before, and `next_norm` the (weight, bias, eps) of the norm after this
+        block: the block then returns (output, that norm of it), its closing residual and the next norm in
+        one kernel."""
         # The checkpoint sits inside the block so that a compiled block (parallelize.apply_compile) traces it
         # and the selective policy marks ops of the compiled graph. Around a compiled block, selective
         # checkpointing would see TorchInductor's code as one op and recompute all of it, as `full` does.
         # `training` is read first so that evaluation never reads the policy: a compiled block then has one
         # evaluation graph, whatever the policies of the blocks sharing its code.
         if not self.training or self.checkpoint_policy == "none":
-            return self._forward(x, causal, normed, next_norm, normed_fp8)
+            return self._forward(x, causal, normed, next_norm)
         if self.checkpoint_policy == "full":
             # No context_fn at all: TorchDynamo rejects torch's own noop_context_fn as one.
-            return checkpoint(self._forward, x, causal, normed, next_norm, normed_fp8, use_reentrant=False)
-        return checkpoint(self._forward, x, causal, normed, next_norm, normed_fp8, use_reentrant=False,
+            return checkpoint(self._forward, x, causal, normed, next_norm, use_reentrant=False)
+        return checkpoint(self._forward, x, causal, normed, next_norm, use_reentrant=False,
                           context_fn=_selective_contexts, **_RESPECT_HOOKS)
 
     def _forward(self, x: torch.Tensor, causal: bool, normed: torch.Tensor | None,
-                 next_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None,
-                 normed_fp8: tuple[torch.Tensor, torch.Tensor] | None,
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                 next_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # Where the fused kernels run, out_proj's and c_proj's biases go into them (residual_norm's a_bias).
         fused = self.residual_norm == "fused" or (self.residual_norm == "auto" and residual_norm.applies(x, x))
-        branch = self.attn(self.ln_1(x) if normed is None else normed, causal=causal, out_bias=not fused,
-                           x_fp8=normed_fp8)
-        normed_fp8 = None
-        if fused and self.takes_fp8_inputs():
-            x, normed, normed_fp8 = residual_norm.residual_norm(
-                x, branch, self._gamma(self.ls_1), self.ln_2.weight, self.ln_2.bias, self.ln_2.eps,
-                a_bias=self.attn.out_proj.bias, quantize_fp8=True)
-        elif fused:
+        branch = self.attn(self.ln_1(x) if normed is None else normed, causal=causal, out_bias=not fused)
+        if fused:
             x, normed = residual_norm.residual_norm(x, branch, self._gamma(self.ls_1), self.ln_2.weight,
                                                     self.ln_2.bias, self.ln_2.eps, a_bias=self.attn.out_proj.bias)
         else:
             x = x + self.ls_1(branch)
             normed = self.ln_2(x)
-        hidden = self.mlp.gelu(self.mlp.c_fc(normed) if normed_fp8 is None else self.mlp.c_fc(normed, normed_fp8))
         if next_norm is None:
-            return x + self.ls_2(self.mlp.c_proj(hidden))
-        weight, bias, eps, quantize_next = next_norm
+            return x + self.ls_2(self.mlp(normed))
+        branch = linear_without_bias(self.mlp.c_proj, self.mlp.gelu(self.mlp.c_fc(normed)))
         # The sum is this block's output, the next block's input, which that block's backward keeps anyway.
-        out = residual_norm.residual_norm(x, linear_without_bias(self.mlp.c_proj, hidden), self._gamma(self.ls_2),
-                                          weight, bias, eps, save_sum=True, a_bias=self.mlp.c_proj.bias,
-                                          quantize_fp8=quantize_next)
-        return out if quantize_next else (*out, None)
-
-    def takes_fp8_inputs(self) -> bool:
-        """Whether the layers after this block's norms (QKV, c_fc) are fp8 SwitchBack layers that take the e4m3
-        copy of their input from the residual-norm kernels (PREQUANTIZE_FP8)."""
-        qkv_variant = getattr(self.attn.linear, "keywords", {}).get("variant")
-        return (PREQUANTIZE_FP8 and qkv_variant == "switchback_fp8" and isinstance(self.mlp.c_fc, SwitchBackLinear)
-                and self.mlp.c_fc.variant == "switchback_fp8")
+        return residual_norm.residual_norm(x, branch, self._gamma(self.ls_2), *next_norm, save_sum=True,
+                                           a_bias=self.mlp.c_proj.bias)
 
     def _gamma(self, scale: nn.Module) -> torch.Tensor:
         """A residual branch's layer-scale gain for the fused kernels (ones where the model has none)."""
@@ -350,13 +323,8 @@ class Transformer(nn.Module):
                 # Autocast leaves LayerNorm's output in float32, the fused kernels' in 16 bits: one dtype for
                 # every block's `normed` keeps one compiled graph for all of them (the QKV matmul casts anyway).
                 normed = normed.to(dtype)
-            normed_fp8 = None
-            following = [*self.resblocks[1:], None]
-            for block, norm, after in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm],
-                                          following):
-                quantize_next = after is not None and after.takes_fp8_inputs()
-                x, normed, normed_fp8 = block(x, causal, normed, (norm.weight, norm.bias, norm.eps, quantize_next),
-                                              normed_fp8)
+            for block, norm in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
+                x, normed = block(x, causal, normed, (norm.weight, norm.bias, norm.eps))
             return normed.to(x.dtype)
         for block in self.resblocks:
             x = block(x, causal=causal)

@@ -30,9 +30,8 @@ class SwitchBackLinear(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
         self.variant, self.backend = variant, backend
 
-    def forward(self, x: torch.Tensor, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`x_fp8`: x's e4m3 copy and row scales, where the kernel that wrote x made them (switchback_linear)."""
-        return switchback_linear(x, self.weight, self.bias, self.variant, self.backend, x_fp8)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return switchback_linear(x, self.weight, self.bias, self.variant, self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, variant={self.variant}, backend={self.backend}"

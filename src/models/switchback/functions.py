@@ -107,8 +107,7 @@ def low_precision_matmul(
 # GELU and residual fusions around them. Ops may not return their inputs or None, so the tensors a variant
 # does not keep travel as empty placeholders.
 _FORWARD_SCHEMA = (
-    "(Tensor x, Tensor weight, Tensor? bias, str variant, str backend, Tensor? qx, Tensor? sx) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "(Tensor x, Tensor weight, Tensor? bias, str variant, str backend) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor grad, Tensor x, Tensor qx, Tensor sx, Tensor weight, Tensor qwt, Tensor sw, str variant, str backend, "
@@ -123,13 +122,11 @@ def _placeholders(like: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
 
 
 @torch.library.custom_op("stableclip::switchback_forward", mutates_args=(), schema=_FORWARD_SCHEMA)
-def _forward(x, weight, bias, variant, backend, qx, sx):
+def _forward(x, weight, bias, variant, backend):
     """x [M, K] -> (out [M, N], then what backward needs besides x and W: int8 X and its row scales (memeff),
-    the quantized Wᵀ [K, N] and its scale (tensor-wise W); empty where the variant keeps nothing). qx and sx,
-    where given, are x already quantized row-wise (fp8 only, which never returns them)."""
+    the quantized Wᵀ [K, N] and its scale (tensor-wise W); empty where the variant keeps nothing)."""
     v = VARIANTS[variant]
-    if qx is None:
-        qx, sx, _ = quantize_rows(v, backend, x)
+    qx, sx, _ = quantize_rows(v, backend, x)
     if v.weight_dim_forward is None:
         # Backward scales W the same way, so its quantized copy (1 byte per weight) is kept for it, laid out
         # as the input-gradient matmul reads it.
@@ -144,7 +141,7 @@ def _forward(x, weight, bias, variant, backend, qx, sx):
 
 
 @_forward.register_fake
-def _(x, weight, bias, variant, backend, qx, sx):
+def _(x, weight, bias, variant, backend):
     v = VARIANTS[variant]
     q_dtype = torch.float8_e4m3fn if v.fp8 else torch.int8
     (rows, inner), outputs = x.shape, weight.shape[0]
@@ -187,7 +184,7 @@ def _(grad, x, qx, sx, weight, qwt, sw, variant, backend, x_dtype, weight_dtype,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, variant, backend, _, _ = inputs
+    x, weight, bias, variant, backend = inputs
     v = VARIANTS[variant]
     _, qx, sx, qwt, sw = output
     ctx.variant, ctx.backend, ctx.has_bias = variant, backend, bias is not None
@@ -205,29 +202,21 @@ def _grads(ctx, grad, *_unused):
         ctx.variant, ctx.backend, ctx.x_dtype, ctx.weight_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
         need_bias)
     return (grad_x if ctx.needs_input_grad[0] else None, grad_w if ctx.needs_input_grad[1] else None,
-            grad_b if need_bias else None, None, None, None, None)
+            grad_b if need_bias else None, None, None)
 
 
 _forward.register_autograd(_grads, setup_context=_setup_context)
 
 
 def switchback_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str, backend: str = "cuda",
-    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str, backend: str = "cuda"
 ) -> torch.Tensor:
-    """`F.linear` with SwitchBack arithmetic. Under autocast the output has the autocast dtype, like F.linear.
-    `x_fp8` (switchback_fp8 only): x's row-wise e4m3 copy [rows, K] and scales [rows, 1], as the layer's own
-    quantizer would make them from x (in the autocast dtype), from the kernel that wrote x (residual_norm's
-    `quantize_fp8`); the layer then skips that pass over x."""
+    """`F.linear` with SwitchBack arithmetic. Under autocast the output has the autocast dtype, like F.linear."""
     if variant not in VARIANTS:
         raise ValueError(f"model.linear={variant!r} is not one of {', '.join(VARIANTS)}")
-    if x_fp8 is not None and not VARIANTS[variant].fp8:
-        raise ValueError(f"x_fp8 is an e4m3 copy of x, for model.linear=switchback_fp8, not {variant}")
     dtype = autocast_dtype(x.device)
     if dtype is not None:
         x = x.to(dtype)
-    qx, sx = x_fp8 if x_fp8 is not None else (None, None)
     with torch.autocast(x.device.type, enabled=False):
-        out = torch.ops.stableclip.switchback_forward(x.reshape(-1, x.shape[-1]), weight, bias, variant, backend,
-                                                      qx, sx)[0]
+        out = torch.ops.stableclip.switchback_forward(x.reshape(-1, x.shape[-1]), weight, bias, variant, backend)[0]
     return out.reshape(*x.shape[:-1], weight.shape[0])
