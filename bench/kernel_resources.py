@@ -14,7 +14,8 @@ bench/residual_norm.py --configs.
 
 Every row also counts the kernel's SASS instructions. `--gelu` compiles element-wise GELU kernels written here for
 the count alone (bf16 in and out, 8 elements per thread), forward and backward: the exact GELU with CUDA's erf (the
-arithmetic of F.gelu under torch.compile), the same GELU with Φ from Numerical Recipes' erfc fit, the tanh form,
+arithmetic of F.gelu under torch.compile), with Φ from Abramowitz & Stegun's erf fit (`model.gelu=rational`'s
+arithmetic) and from Numerical Recipes' erfc fit, the tanh form,
 and h·h, which moves the same bytes with almost no arithmetic. Per element, against the memory time of its bytes,
 the count tells whether a kernel is bound by its arithmetic (at about 33.5·10¹² lane-instructions/s on an H200).
 """
@@ -117,6 +118,10 @@ def _cdf(z, FORM: tl.constexpr):
     if FORM == "erf":
         return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
     half_erfc = 0.0
+    if FORM == "rational":  # src/models/gelu.py: Abramowitz & Stegun 7.1.26; its exp is the density's
+        t = 1.0 / (1.0 + 0.3275911 * 0.7071067811865476 * tl.abs(z))
+        p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+        half_erfc = 0.5 * p * tl.exp(-0.5 * z * z)
     if FORM == "erfc_fit":
         x = tl.abs(z) * 0.7071067811865476
         t = 1.0 / (1.0 + 0.5 * x)
@@ -156,7 +161,7 @@ def _gelu_backward(grad_ptr, h_ptr, dh_ptr, n, FORM: tl.constexpr, BLOCK: tl.con
 
 
 def gelu_rows(args: argparse.Namespace) -> Iterator[dict]:
-    for form in ("erf", "erfc_fit", "tanh", "square"):
+    for form in ("erf", "rational", "erfc_fit", "tanh", "square"):
         for name, kernel, pointers in (("forward", _gelu_forward, ("h_ptr", "g_ptr")),
                                        ("backward", _gelu_backward, ("grad_ptr", "h_ptr", "dh_ptr"))):
             signature = {pointer: "*bf16" for pointer in pointers} | {"n": "i32"}
