@@ -2,9 +2,10 @@
 (three profiled steps each); with two traces, also the kernels whose time changed most between them; with
 `--groups`, the time per kind of kernel (matmul, attention, Inductor's fused kernels, optimizer, copies); with
 `--callers REGEX`, the kernels whose name matches, each split by the two innermost CPU ops that launched it
-(e.g. an eager `reduce_kernel` under `aten::sum` < `stableclip::residual_norm_backward`).
+(e.g. an eager `reduce_kernel` under `aten::sum` < `stableclip::residual_norm_backward`), and with `--shapes`
+also by the innermost op's input shapes (the profiler records them), e.g. SwitchBack's row quantizer by layer.
 
-    python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups] [--callers 'reduce|copy']
+    python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups] [--callers 'reduce|copy'] [--shapes]
 """
 
 from __future__ import annotations
@@ -66,16 +67,19 @@ def _innermost_ops(ops: list[tuple[float, float, str]], starts: list[float], tim
     return " < ".join(names) or "no CPU op"
 
 
-def kernel_callers(path: str, pattern: re.Pattern) -> collections.Counter:
+def kernel_callers(path: str, pattern: re.Pattern, shapes: bool = False) -> collections.Counter:
     """ms per step of each (kernel, the CPU ops that launched it), for kernels whose name matches `pattern`:
-    a kernel and its launch share a correlation id; the launch's time places it inside the CPU ops."""
+    a kernel and its launch share a correlation id; the launch's time places it inside the CPU ops. `shapes`:
+    each op named with its input shapes."""
     events = json.load(open(path))["traceEvents"]
     launches = {event["args"]["correlation"]: event for event in events
                 if event.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {})}
     ops = collections.defaultdict(list)
     for event in events:
         if event.get("ph") == "X" and event.get("cat") == "cpu_op":
-            ops[event["pid"], event["tid"]].append((event["ts"], event["ts"] + event["dur"], event["name"]))
+            dims = event.get("args", {}).get("Input Dims") if shapes else None
+            name = event["name"] + (f" {dims}" if dims else "")
+            ops[event["pid"], event["tid"]].append((event["ts"], event["ts"] + event["dur"], name))
     for thread_ops in ops.values():
         thread_ops.sort()
     starts = {thread: [op[0] for op in thread_ops] for thread, thread_ops in ops.items()}
@@ -98,6 +102,7 @@ def main() -> int:
     parser.add_argument("--groups", action="store_true", help="also print the time per kind of kernel")
     parser.add_argument("--callers", metavar="REGEX",
                         help="also split the kernels whose name matches by the CPU ops that launched them")
+    parser.add_argument("--shapes", action="store_true", help="with --callers: name the ops with their input shapes")
     args = parser.parse_args()
     if len(args.traces) > 2:
         parser.error(f"give one or two traces, got {len(args.traces)}")
@@ -110,7 +115,8 @@ def main() -> int:
             print_groups(table)
         if args.callers:
             print(f"kernels matching {args.callers!r}, by the CPU ops that launched them (inner < outer)")
-            for (name, caller), ms in kernel_callers(path, re.compile(args.callers)).most_common(args.rows):
+            callers = kernel_callers(path, re.compile(args.callers), args.shapes)
+            for (name, caller), ms in callers.most_common(args.rows):
                 print(f"  {ms:7.2f} {name}  <-  {caller}")
     if len(tables) == 2:
         first, second = tables

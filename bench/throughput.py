@@ -166,7 +166,8 @@ def print_profile(trainer: Trainer, rows: int, device: torch.device, trace: str 
     write the timeline (Chrome trace JSON, for gaps where the device waits for the host)."""
     activity = torch.profiler.ProfilerActivity
     activities = [activity.CPU] + ([activity.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as profiler:
+    # Input shapes tell apart the launches of one kernel by layer (bench/kernel_table.py --callers --shapes).
+    with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         for _ in range(3):
             trainer.train_step(next(trainer.loader))
         synchronize(device)

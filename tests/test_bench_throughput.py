@@ -121,18 +121,26 @@ def test_kernel_table_names_the_cpu_ops_that_launched_a_kernel(tmp_path):
     assert [line.split(None, 1) for line in callers] == [
         ["0.20", "reduce_kernel  <-  aten::sum < stableclip::residual_norm_backward"],
         ["0.10", "direct_copy_kernel  <-  aten::copy_"]]
+    events[2]["args"] = {"Input Dims": [[4, 8], []]}
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "trace.json"), "--callers",
+                             "reduce", "--shapes"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "reduce_kernel  <-  aten::sum [[4, 8], []] < stableclip::residual_norm_backward\n" in result.stdout
 
 
 def test_kernel_resources_counts_gelu_instructions_without_a_gpu():
     """bench/kernel_resources.py --gelu compiles GELU's forms for sm_90 on this CPU and counts their SASS
-    instructions: the exact GELU's erf costs far more than the bytes it moves (h·h), the tanh form in between."""
+    instructions: the exact GELU's erf costs far more than the bytes it moves (h·h), the tanh form in between,
+    and the rational fit of model.gelu less than CUDA's erf."""
     pytest.importorskip("triton")
     result = subprocess.run([sys.executable, "bench/kernel_resources.py", "--gelu"], cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {(row["form"], row["kernel"]): row["sass_per_element"]
             for row in map(json.loads, result.stdout.splitlines())}
-    assert set(rows) == {(form, kernel) for form in ("erf", "erfc_fit", "tanh", "square")
+    assert set(rows) == {(form, kernel) for form in ("erf", "rational", "erfc_fit", "tanh", "square")
                          for kernel in ("forward", "backward")}
     for kernel in ("forward", "backward"):
         assert 0 < rows["square", kernel] < rows["tanh", kernel] < rows["erf", kernel]
+        assert rows["rational", kernel] < rows["erf", kernel]  # model.gelu=rational's fit: fewer than CUDA's erf
