@@ -61,13 +61,18 @@ def _quantize_rows_split_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_r, BLOCK_R
     tl.store(scale_ptr + rows, kernels._dequantize_scale(amax, FP8), mask=rows < R)
 
 
+def largest_power_of_2(n: int) -> int:
+    """The first piece of a row of n columns in quantize_rows_split."""
+    return 2 ** (n.bit_length() - 1)
+
+
 def quantize_rows_split(x: torch.Tensor, fp8: bool, block_r: int = 1, warps: int = 4
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale [R, 1]) of a row-contiguous 2-D x, as kernels.quantize_rows(x, fp8) gives them."""
     rows, cols = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"quantize_rows_split needs rows contiguous in memory, got strides {x.stride()}")
-    block_a = 2 ** (cols.bit_length() - 1)  # the largest power of two in cols
+    block_a = largest_power_of_2(cols)
     rest = cols - block_a
     q = torch.empty((rows, cols), dtype=kernels._quantized_dtype(fp8), device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -94,15 +99,15 @@ def with_config(config, rows_per_program: int, fn):
 
 def time_width(width: int, colsum: bool, args: argparse.Namespace) -> dict:
     x = torch.randn(args.tokens, width, device="cuda", dtype=torch.bfloat16)
-    scale = torch.rand(args.tokens, 1, device="cuda") + 0.5
+    cast_scale = torch.rand(args.tokens, 1, device="cuda") + 0.5
     scaled_cast = torch.compile(lambda x, s: (x * s).to(torch.float8_e4m3fn), dynamic=False)
 
     def quantize():
         kernels.quantize_rows(x, True, colsum)
 
     fns = {"autotuned": quantize, "torch_cast": lambda: x.to(torch.float8_e4m3fn),
-           "compiled_scaled_cast": lambda: scaled_cast(x, scale)}
-    block_c = 2 ** (width - 1).bit_length()
+           "compiled_scaled_cast": lambda: scaled_cast(x, cast_scale)}
+    block_c = triton.next_power_of_2(width)
     for rows_per_program in args.colsum_rows if colsum else [kernels._ROWS_PER_PROGRAM]:
         for block_r in args.rows_per_block:
             if block_r * block_c > 16384 or (colsum and rows_per_program % block_r):
@@ -120,7 +125,7 @@ def time_width(width: int, colsum: bool, args: argparse.Namespace) -> dict:
             raise AssertionError(f"quantize_rows_split differs from kernels.quantize_rows at width {width}")
         for block_r in args.rows_per_block:
             for warps in args.warps:
-                if block_r * 2 ** (width.bit_length() - 1) <= 128 * 32 * warps:
+                if block_r * largest_power_of_2(width) <= 128 * 32 * warps:
                     fns[f"split_r{block_r}_w{warps}"] = (
                         lambda block_r=block_r, warps=warps: quantize_rows_split(x, True, block_r, warps))
     ms = interleaved_ms(fns, args.iters, args.rounds)

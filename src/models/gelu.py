@@ -9,8 +9,8 @@ there may differ from F.gelu's in the last bit; F.gelu's own 1 + erf(h/√2) rou
 at x = h/√2 is also the density's exponential, so the gradient Φ(h) + h·φ(h) reuses it: one exp and one division
 per element each way. Compiled for an H100/H200 (`bench/kernel_resources.py --gelu`), that is 36 instead of 42
 SASS instructions per element forward and 42 instead of 55 backward. On an H200 the compiled GELU, forward and
-backward, ran 1.11–1.23× as fast at the MLP shapes, and whole compiled steps 1.002–1.026× (docs/BENCHMARKS.md,
-throughput, session 13).
+backward, ran 1.11–1.23× as fast at the MLP shapes, and whole compiled steps 1.002–1.026× in eight of nine
+comparisons (0.98× in the ninth; docs/BENCHMARKS.md, throughput, session 13).
 
 Written in torch ops so that TorchInductor fuses it with what surrounds it (bias, casts), as it does F.gelu. In
 eager mode it is a dozen kernels where F.gelu is one: `model.gelu=auto` takes it only in compiled blocks.
@@ -78,12 +78,3 @@ class GELU(nn.Module):
         if self.form == "rational" or (self.form == "auto" and torch.compiler.is_compiling()):
             return rational_gelu(h)
         return F.gelu(h)
-
-
-def set_gelu(module: nn.Module, form: str) -> None:
-    """model.gelu: the form of every GELU in `module` (one of FORMS)."""
-    if form not in FORMS:
-        raise ValueError(f"model.gelu={form!r} is not one of {', '.join(FORMS)}")
-    for gelu in module.modules():
-        if isinstance(gelu, GELU):
-            gelu.form = form

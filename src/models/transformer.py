@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from src.models import residual_norm, short_attention, tiled_attention
+from src.models import gelu, residual_norm, short_attention, tiled_attention
 from src.models.autocast import autocast_dtype
 from src.models.gelu import GELU
 from src.models.switchback.convert import SwitchBackLinear
@@ -104,13 +104,18 @@ ATTENTION_BACKENDS = {
 }
 
 
+def _set_on_modules(module: nn.Module, kind: type, attribute: str, key: str, value: str, choices) -> None:
+    """Set `attribute` of every `kind` in `module` to `value`, the config key `model.<key>`, one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"model.{key}={value!r} is not one of {', '.join(choices)}")
+    for child in module.modules():
+        if isinstance(child, kind):
+            setattr(child, attribute, value)
+
+
 def set_attention_backend(module: nn.Module, backend: str) -> None:
     """Restrict the attention kernel of every `Attention` in `module` (model.attention_backend)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"model.attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    for attention in module.modules():
-        if isinstance(attention, Attention):
-            attention.backend = backend
+    _set_on_modules(module, Attention, "backend", "attention_backend", backend, ATTENTION_BACKENDS)
 
 
 def sdpa_attention(
@@ -173,11 +178,12 @@ def set_residual_norm(module: nn.Module, mode: str) -> None:
     """model.residual_norm: how every Block of `module` computes x + ls_1(attention) and ln_2: with
     residual_norm.py's fused kernels (`fused`: CUDA only, a clear error at the first step elsewhere), with
     PyTorch's ops (`unfused`), or `auto`: fused where residual_norm.applies."""
-    if mode not in residual_norm.MODES:
-        raise ValueError(f"model.residual_norm={mode!r} is not one of {', '.join(residual_norm.MODES)}")
-    for block in module.modules():
-        if isinstance(block, Block):
-            block.residual_norm = mode
+    _set_on_modules(module, Block, "residual_norm", "residual_norm", mode, residual_norm.MODES)
+
+
+def set_gelu(module: nn.Module, form: str) -> None:
+    """model.gelu: how every GELU of `module` evaluates Φ (one of gelu.FORMS; src/models/gelu.py)."""
+    _set_on_modules(module, GELU, "form", "gelu", form, gelu.FORMS)
 
 
 def linear_without_bias(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
