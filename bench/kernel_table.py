@@ -3,9 +3,12 @@
 `--groups`, the time per kind of kernel (matmul, attention, Inductor's fused kernels, optimizer, copies); with
 `--callers REGEX`, the kernels whose name matches, each split by the two innermost CPU ops that launched it
 (e.g. an eager `reduce_kernel` under `aten::sum` < `stableclip::residual_norm_backward`), and with `--shapes`
-also by the innermost op's input shapes (the profiler records them), e.g. SwitchBack's row quantizer by layer.
+also by the innermost op's input shapes (the profiler records them), e.g. SwitchBack's row quantizer by layer;
+with `--gaps`, where the GPU sat idle waiting for the host, and the CPU ops that launched the kernel after each
+long wait.
 
     python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups] [--callers 'reduce|copy'] [--shapes]
+        [--gaps]
 """
 
 from __future__ import annotations
@@ -67,32 +70,59 @@ def _innermost_ops(ops: list[tuple[float, float, str]], starts: list[float], tim
     return " < ".join(names) or "no CPU op"
 
 
+class Launchers:
+    """Which CPU ops launched a GPU event: the event and its launch share a correlation id, and the launch's time
+    places it inside the CPU ops of its thread. `shapes`: each op named with its input shapes."""
+
+    def __init__(self, events: list[dict], shapes: bool = False):
+        self.launches = {event["args"]["correlation"]: event for event in events
+                         if event.get("cat") in ("cuda_runtime", "cuda_driver")
+                         and "correlation" in event.get("args", {})}
+        self.ops = collections.defaultdict(list)
+        for event in events:
+            if event.get("ph") == "X" and event.get("cat") == "cpu_op":
+                dims = event.get("args", {}).get("Input Dims") if shapes else None
+                name = event["name"] + (f" {dims}" if dims else "")
+                self.ops[event["pid"], event["tid"]].append((event["ts"], event["ts"] + event["dur"], name))
+        for thread_ops in self.ops.values():
+            thread_ops.sort()
+        self.starts = {thread: [op[0] for op in thread_ops] for thread, thread_ops in self.ops.items()}
+
+    def of(self, event: dict) -> str:
+        launch = self.launches.get(event.get("args", {}).get("correlation"))
+        if launch is None:
+            return "no launch found"
+        thread = launch["pid"], launch["tid"]
+        return _innermost_ops(self.ops[thread], self.starts.get(thread, []), launch["ts"])
+
+
 def kernel_callers(path: str, pattern: re.Pattern, shapes: bool = False) -> collections.Counter:
-    """ms per step of each (kernel, the CPU ops that launched it), for kernels whose name matches `pattern`:
-    a kernel and its launch share a correlation id; the launch's time places it inside the CPU ops. `shapes`:
-    each op named with its input shapes."""
+    """ms per step of each (kernel, the CPU ops that launched it), for kernels whose name matches `pattern`."""
     events = json.load(open(path))["traceEvents"]
-    launches = {event["args"]["correlation"]: event for event in events
-                if event.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {})}
-    ops = collections.defaultdict(list)
-    for event in events:
-        if event.get("ph") == "X" and event.get("cat") == "cpu_op":
-            dims = event.get("args", {}).get("Input Dims") if shapes else None
-            name = event["name"] + (f" {dims}" if dims else "")
-            ops[event["pid"], event["tid"]].append((event["ts"], event["ts"] + event["dur"], name))
-    for thread_ops in ops.values():
-        thread_ops.sort()
-    starts = {thread: [op[0] for op in thread_ops] for thread, thread_ops in ops.items()}
+    launchers = Launchers(events, shapes)
     table = collections.Counter()
     for event in events:
-        if event.get("ph") != "X" or event.get("cat") != "kernel" or not pattern.search(event["name"]):
-            continue
-        launch = launches.get(event.get("args", {}).get("correlation"))
-        thread = None if launch is None else (launch["pid"], launch["tid"])
-        caller = "no launch found" if thread is None else _innermost_ops(ops[thread], starts.get(thread, []),
-                                                                         launch["ts"])
-        table[event["name"][:80], caller] += event["dur"] / 1e3 / PROFILED_STEPS
+        if event.get("ph") == "X" and event.get("cat") == "kernel" and pattern.search(event["name"]):
+            table[event["name"][:80], launchers.of(event)] += event["dur"] / 1e3 / PROFILED_STEPS
     return table
+
+
+def idle_gaps(path: str) -> tuple[float, list[tuple[float, str, str]]]:
+    """(ms per step from the first GPU event to the last, and every stretch where the GPU ran nothing: (µs, the
+    event before it, the event after it with the CPU ops that launched that one)). A gap is time the GPU waited
+    for the host: to queue the next kernel, or to start a step where the host waits for the last to end."""
+    events = json.load(open(path))["traceEvents"]
+    gpu = sorted((event["ts"], event["ts"] + event["dur"], event) for event in events
+                 if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    launchers = Launchers(events)
+    gaps = []
+    first, end, before = gpu[0][0], gpu[0][1], gpu[0][2]["name"]
+    for start, stop, event in gpu[1:]:
+        if start > end:
+            gaps.append((start - end, before[:60], f"{event['name'][:60]}  <-  {launchers.of(event)}"))
+        if stop > end:
+            end, before = stop, event["name"]
+    return (end - first) / 1e3 / PROFILED_STEPS, gaps
 
 
 def main() -> int:
@@ -103,6 +133,9 @@ def main() -> int:
     parser.add_argument("--callers", metavar="REGEX",
                         help="also split the kernels whose name matches by the CPU ops that launched them")
     parser.add_argument("--shapes", action="store_true", help="with --callers: name the ops with their input shapes")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also print where the GPU sat idle: in all, and the longest stretches with what is "
+                             "around them")
     args = parser.parse_args()
     if len(args.traces) > 2:
         parser.error(f"give one or two traces, got {len(args.traces)}")
@@ -118,6 +151,15 @@ def main() -> int:
             callers = kernel_callers(path, re.compile(args.callers), args.shapes)
             for (name, caller), ms in callers.most_common(args.rows):
                 print(f"  {ms:7.2f} {name}  <-  {caller}")
+        if args.gaps:
+            span, gaps = idle_gaps(path)
+            per_step = 1e3 * PROFILED_STEPS
+            long = [gap for gap in gaps if gap[0] >= 20]
+            print(f"GPU span {span:.1f} ms per step, idle {sum(g[0] for g in gaps) / per_step:.1f} ms per step: "
+                  f"{len(gaps) / PROFILED_STEPS:.1f} gaps, {len(long) / PROFILED_STEPS:.1f} of them 20 µs or longer "
+                  f"({sum(g[0] for g in long) / per_step:.1f} ms)")
+            for micros, before, after in sorted(long, reverse=True)[:args.rows]:
+                print(f"  {micros:8.0f} µs after {before}  before {after}")
     if len(tables) == 2:
         first, second = tables
         change = {name: first[name] - second[name] for name in set(first) | set(second)}

@@ -14,7 +14,8 @@ the model, so compilation does not hide any op) and their share of a bf16 matmul
 peak memory, and the caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU).
 `--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and
 batch and prints our rate over its rate. `--profile ROWS [--trace DIR]` prints the costliest kernels of three
-steps and writes their timeline (`bench/kernel_table.py` sums it per kernel). `--device cpu` makes it a smoke
+steps and writes their timeline (`bench/kernel_table.py` sums it per kernel; `--gaps` finds where the GPU waited;
+`--profile-gpu-only` records no CPU ops, which slow the host). `--device cpu` makes it a smoke
 test.
 
 A `--set` may also hold `py:MODULE.NAME=VALUE` tokens: module-level settings that are not config keys (kernel
@@ -161,16 +162,20 @@ def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -
     return seconds, host_seconds
 
 
-def print_profile(trainer: Trainer, rows: int, device: torch.device, trace: str | None) -> None:
+def print_profile(trainer: Trainer, rows: int, device: torch.device, trace: str | None, gpu_only: bool = False,
+                  ) -> None:
     """The kernels that take the time of three steps, most expensive first: what to speed up next. `trace`: also
-    write the timeline (Chrome trace JSON, for gaps where the device waits for the host)."""
+    write the timeline (Chrome trace JSON, for gaps where the device waits for the host). `gpu_only`: record no
+    CPU ops, whose recording slows the host enough to open gaps an unprofiled step does not have."""
     activity = torch.profiler.ProfilerActivity
-    activities = [activity.CPU] + ([activity.CUDA] if device.type == "cuda" else [])
+    activities = ([] if gpu_only else [activity.CPU]) + ([activity.CUDA] if device.type == "cuda" else [])
     # Input shapes tell apart the launches of one kernel by layer (bench/kernel_table.py --callers --shapes).
-    with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
+    # Each step waits for the one before, as median_seconds_and_host times them, so the trace shows the idle
+    # GPU at a step's start (bench/kernel_table.py --gaps) that the timed steps pay too.
+    with torch.profiler.profile(activities=activities, record_shapes=not gpu_only) as profiler:
         for _ in range(3):
             trainer.train_step(next(trainer.loader))
-        synchronize(device)
+            synchronize(device)
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60), flush=True)
     if trace:
@@ -204,7 +209,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
         torch.cuda.reset_accumulated_memory_stats(device)
     seconds, host_seconds = time_steps(trainer, args, device, end_to_end)
     if args.profile:
-        print_profile(trainer, args.profile, device, trace)
+        print_profile(trainer, args.profile, device, trace, args.profile_gpu_only)
     flops = step_flops(cfg)
     result = {
         "impl": "stableclip", "model": args.model, "batch": args.batch, "overrides": overrides,
@@ -287,11 +292,15 @@ def main() -> int:
     parser.add_argument("--peer", help="path of OpenCLIP's openclip_step.py, run in this call")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, print the ROWS most expensive ops of three profiled steps")
+    parser.add_argument("--profile-gpu-only", action="store_true",
+                        help="with --profile: record kernels only, not CPU ops (closer to an unprofiled step's gaps)")
     parser.add_argument("--trace", metavar="DIR", help="with --profile: write each configuration's Chrome trace "
                                                         "(timeline) to DIR/N.json")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.profile_gpu_only and device.type != "cuda":
+        parser.error(f"--profile-gpu-only records CUDA kernels: it needs --device cuda, got {args.device}")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as the peer script does
     ceiling = matmul_ceiling_tflops(device)

@@ -69,6 +69,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     residual_norm: str = "auto"
     gelu: str = "auto"
+    prune_last_block: bool = True
     linear: str = "standard"
     linear_backend: str = "cuda"
     init_from: str | None = None

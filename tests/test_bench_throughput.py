@@ -144,3 +144,26 @@ def test_kernel_resources_counts_gelu_instructions_without_a_gpu():
     for kernel in ("forward", "backward"):
         assert 0 < rows["square", kernel] < rows["tanh", kernel] < rows["erf", kernel]
         assert rows["rational", kernel] < rows["erf", kernel]  # model.gelu=rational's fit: fewer than CUDA's erf
+
+
+def test_kernel_table_finds_where_the_gpu_waited(tmp_path):
+    """--gaps: idle time between GPU events (overlapping events count once), the longest stretches first, each
+    with the event before it and the CPU op that launched the event after it."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 7, "ts": 400, "dur": 50},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": 410, "dur": 3,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": "kernel", "name": "first", "pid": 0, "tid": 9, "ts": 0, "dur": 300},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "pid": 0, "tid": 9, "ts": 100, "dur": 250},
+        {"ph": "X", "cat": "kernel", "name": "second", "pid": 0, "tid": 9, "ts": 360, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "third", "pid": 0, "tid": 9, "ts": 3460, "dur": 40,
+         "args": {"correlation": 5}},
+    ]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "trace.json"), "--gaps"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    # Idle: 350 -> 360 (the memset outlasts "first") and 460 -> 3460; the span is 0 -> 3500 µs, over 3 steps.
+    summary = "GPU span 1.2 ms per step, idle 1.0 ms per step: 0.7 gaps, 0.3 of them 20 µs or longer (1.0 ms)"
+    assert summary in result.stdout
+    assert "3000 µs after second  before third  <-  aten::mm\n" in result.stdout

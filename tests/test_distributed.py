@@ -50,7 +50,10 @@ def test_two_ranks_with_half_batch_match_one_rank(tmp_path):
     expected_loss, expected_grads = loss_and_grads(*batch_and_model())
     torch.testing.assert_close(distributed["loss"], expected_loss, rtol=1e-6, atol=1e-6)
     for name, grad in expected_grads.items():
-        torch.testing.assert_close(distributed["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # Float32 rounding of sums taken in another order: relative to the tensor's largest gradient (the token
+        # embedding's reach about 5 and differ by up to 2e-6).
+        atol = 1e-6 * max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(distributed["grads"][name], grad, rtol=1e-4, atol=atol, msg=name)
 
 
 def test_torchrun_two_ranks_share_one_run_directory(shapes, tmp_path):

@@ -178,3 +178,91 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     with pytest.raises(ValueError,
                        match="model.attention_backend='fastest' is not one of auto, triton_short, triton_tiled, flash"):
         build_model(config)
+
+
+def _captions(count: int, length: int) -> torch.Tensor:
+    """Token ids with the end-of-text token (the largest id) at a different position in each caption, zeros
+    after it, as the tokenizer pads."""
+    tokens = torch.randint(1, 400, (count, length))
+    for row, end in enumerate(torch.linspace(1, length - 1, count).long()):
+        tokens[row, end], tokens[row, end + 1:] = 49407, 0
+    return tokens
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_pruned_last_block_gives_the_same_embeddings_and_gradients(policy, layers):
+    torch.manual_seed(0)
+    config = tiny_config(ls_init_value=0.3)  # not 0: at 0 every block starts as the identity
+    config.vision.layers = config.text.layers = layers
+    config.checkpoint_policy = policy
+    pruned = build_model(config).double()
+    config.prune_last_block = False
+    whole = build_model(config).double()
+    whole.load_state_dict(pruned.state_dict())
+    assert not whole.visual.transformer.prune_last_block and not whole.transformer.prune_last_block
+    images, tokens = torch.randn(4, 3, 32, 32, dtype=torch.float64), _captions(4, 16)
+    outputs = []
+    for model in (pruned, whole):
+        image_features, text_features, _ = model(images, tokens)
+        (image_features @ text_features.T).square().sum().backward()
+        outputs.append((image_features, text_features))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
+    for (name, a), b in zip(pruned.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+    # The last block's query projection still learns: its slice of the fused weight gets a gradient.
+    last = pruned.visual.transformer.resblocks[-1].attn
+    assert last.in_proj_weight.grad[: last.in_proj_weight.shape[1]].abs().sum() > 0
+
+
+def test_pruned_last_block_saves_most_of_a_block():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = tiny_config()
+    config.vision.layers = config.text.layers = 4
+    images, tokens = torch.randn(4, 3, 32, 32), _captions(4, 16)
+    flops = {}
+    for prune in (True, False):
+        config.prune_last_block = prune
+        model = build_model(config)
+        with FlopCounterMode(display=False) as counter:
+            model(images, tokens)
+        flops[prune] = counter.get_total_flops()
+    # Each tower's last block keeps its key and value projections (2 of a block's 12 width² matmuls per
+    # token) and drops the rest for all but one token per sample: about 0.8 of a block of four.
+    saved = 1 - flops[True] / flops[False]
+    assert 0.15 < saved < 0.8 / 4 + 0.01, saved
+
+
+def test_class_token_alone_equals_the_class_token_of_all_tokens():
+    torch.manual_seed(0)
+    model = build_model(tiny_config(ls_init_value=0.3)).double().eval()
+    images = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.visual.tokens(images, class_only=True), model.visual.tokens(images)[:, 0])
+
+
+@pytest.mark.slow
+def test_compiled_clip_runs_every_kind_of_block_call_compiled():
+    """Regional compilation (trainer.compile=true) of a whole CLIP: first, middle and pooled last blocks of both
+    towers, in training and evaluation, all stay within Dynamo's recompile limit (past it they would quietly run
+    eager), with eager's results."""
+    from src.models.parallelize import apply_compile
+
+    torch.manual_seed(0)
+    eager = build_model(tiny_config(ls_init_value=0.3))
+    compiled = build_model(tiny_config(ls_init_value=0.3))
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    apply_compile(compiled)
+    images, tokens = torch.randn(4, 3, 32, 32), _captions(4, 16)
+    # Under autocast, as the trainer runs: the first block's input then has another dtype than the others'.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.autocast("cpu", torch.bfloat16):
+        for model in (eager, compiled):
+            image_features, text_features, _ = model(images, tokens)
+            (image_features @ text_features.T).float().sum().backward()
+        with torch.no_grad():
+            evaluated = [model.eval()(images, tokens)[:2] for model in (eager, compiled)]
+    torch.testing.assert_close(evaluated[1], evaluated[0], rtol=2e-2, atol=2e-2)
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2, msg=name)

@@ -41,6 +41,8 @@ class CLIP(nn.Module):
         set_attention_backend(self, cfg.attention_backend)
         set_residual_norm(self, cfg.residual_norm)
         set_gelu(self, cfg.gelu)
+        for tower in (self.visual.transformer, self.transformer):
+            tower.prune_last_block = cfg.prune_last_block
 
     def init_weights(self) -> None:
         """Initialise every parameter; called after `to_empty()` when the model was built on `meta`."""
@@ -64,20 +66,24 @@ class CLIP(nn.Module):
         features = self.visual(images)
         return F.normalize(features, dim=-1) if normalize else features
 
-    def text_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, L, text width): every token's final hidden state."""
+    def text_tokens(self, tokens: torch.Tensor, pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L, text width): every token's final hidden state; with `pooled` (a token index per caption)
+        only those tokens' (B, text width)."""
         x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
-        return self.transformer(x, causal=True, final_norm=self.ln_final)
+        return self.transformer(x, causal=True, final_norm=self.ln_final, pooled=pooled)
 
     def pool_text(self, x: torch.Tensor, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """The caption embedding from `text_tokens`' output: the end-of-text token's state, projected."""
-        # The end-of-text token has the largest id in CLIP's vocabulary, so argmax finds it.
-        pooled = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]
-        features = pooled @ self.text_projection
-        return F.normalize(features, dim=-1) if normalize else features
+        pooled = x[torch.arange(x.shape[0], device=x.device), end_of_text(tokens)]
+        return self.project_text(pooled, normalize)
 
     def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        return self.pool_text(self.text_tokens(tokens), tokens, normalize)
+        return self.project_text(self.text_tokens(tokens, pooled=end_of_text(tokens)), normalize)
+
+    def project_text(self, pooled: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """The caption embedding from the end-of-text token's final state (B, text width)."""
+        features = pooled @ self.text_projection
+        return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor):
         return self.encode_image(images), self.encode_text(tokens), self.logit_scale.exp()
@@ -86,6 +92,11 @@ class CLIP(nn.Module):
     def clamp_logit_scale(self) -> None:
         """Cap the temperature at 100 as CLIP does; in place on the device, so no host sync."""
         self.logit_scale.clamp_(0, self.max_logit_scale)
+
+
+def end_of_text(tokens: torch.Tensor) -> torch.Tensor:
+    """Each caption's end-of-text position: that token has the largest id in CLIP's vocabulary."""
+    return tokens.argmax(dim=-1)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:

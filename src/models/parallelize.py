@@ -19,11 +19,19 @@ def blocks(model: nn.Module) -> list[Block]:
     return [m for m in model.modules() if isinstance(m, Block)]
 
 
+# Dynamo keeps every graph of Block.forward under that one function, up to its recompile limit (8 by default),
+# past which further kinds of call silently run eager. CLIP has up to 12: per tower, the first block (whose
+# input may have another dtype), the others and the pooled last block (Transformer.forward's `pooled`), each in
+# training and in evaluation.
+RECOMPILE_LIMIT = 32
+
+
 def apply_compile(model: nn.Module) -> int:
     """Compile each transformer block in place and return how many. Blocks of one tower share code and shapes,
     so TorchInductor compiles each kind once (parameters are graph inputs, not constants) instead of tracing
     the whole model; the fusions that pay (LayerNorm, bias, GELU, layer-scale and residual adds) all live
     inside a block."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = blocks(model)
     for block in compiled:
         block.compile()

@@ -159,6 +159,26 @@ class Attention(nn.Module):
             out = sdpa_attention(qkv, self.heads, causal, ATTENTION_BACKENDS[self.backend])
         return self.out_proj(out) if out_bias else linear_without_bias(self.out_proj, out)
 
+    def forward_pooled(self, x: torch.Tensor, pooled: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """Attention's output [B, W] for one token per sample, x[b, pooled[b]], as `forward` computes it for
+        those tokens: keys and values come from every token, the query from that token alone. Q and KV take
+        their own slices of the fused projection, so no query is computed that nothing reads."""
+        batch, length, width = x.shape
+        head_dim = width // self.heads
+        q_weight, kv_weight = self.in_proj_weight.split([width, 2 * width])
+        q_bias, kv_bias = self.in_proj_bias.split([width, 2 * width])
+        rows = torch.arange(batch, device=x.device)
+        q = self.linear(x[rows, pooled], q_weight, q_bias).view(batch, self.heads, 1, head_dim)
+        kv = self.linear(x, kv_weight, kv_bias).view(batch, length, 2, self.heads, head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4)
+        # PyTorch's own choice of SDPA kernel, whatever `backend` says: with one query per sample this costs
+        # next to nothing, and a causal mask for one query is not SDPA's is_causal (that aligns it to key 0).
+        mask = None
+        if causal:
+            mask = (torch.arange(length, device=x.device) <= pooled[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(out.reshape(batch, width))
+
     def _our_kernel(self, qkv: torch.Tensor):
         """Which of our Triton attention functions the backend takes for qkv, or None for SDPA."""
         short = qkv.shape[1] <= short_attention.MAX_LENGTH
@@ -212,27 +232,30 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, causal: bool = False, normed: torch.Tensor | None = None,
                 next_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                pooled: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The block's output for input x. In a chain of blocks (Transformer.forward), `normed` is this block's
         ln_1(x), computed by the block before, and `next_norm` the (weight, bias, eps) of the norm after this
         block: the block then returns (output, that norm of it), its closing residual and the next norm in
-        one kernel."""
+        one kernel. With `pooled` (a token index per sample) it returns only those tokens' outputs [B, W]."""
         # The checkpoint sits inside the block so that a compiled block (parallelize.apply_compile) traces it
         # and the selective policy marks ops of the compiled graph. Around a compiled block, selective
         # checkpointing would see TorchInductor's code as one op and recompute all of it, as `full` does.
         # `training` is read first so that evaluation never reads the policy: a compiled block then has one
         # evaluation graph, whatever the policies of the blocks sharing its code.
         if not self.training or self.checkpoint_policy == "none":
-            return self._forward(x, causal, normed, next_norm)
+            return self._forward(x, causal, normed, next_norm, pooled)
         if self.checkpoint_policy == "full":
             # No context_fn at all: TorchDynamo rejects torch's own noop_context_fn as one.
-            return checkpoint(self._forward, x, causal, normed, next_norm, use_reentrant=False)
-        return checkpoint(self._forward, x, causal, normed, next_norm, use_reentrant=False,
+            return checkpoint(self._forward, x, causal, normed, next_norm, pooled, use_reentrant=False)
+        return checkpoint(self._forward, x, causal, normed, next_norm, pooled, use_reentrant=False,
                           context_fn=_selective_contexts, **_RESPECT_HOOKS)
 
     def _forward(self, x: torch.Tensor, causal: bool, normed: torch.Tensor | None,
-                 next_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+                 next_norm: tuple[torch.Tensor, torch.Tensor, float] | None, pooled: torch.Tensor | None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if pooled is not None:
+            return self._forward_pooled(x, causal, self.ln_1(x) if normed is None else normed, pooled)
         # Where the fused kernels run, out_proj's and c_proj's biases go into them (residual_norm's a_bias).
         fused = self.residual_norm == "fused" or (self.residual_norm == "auto" and residual_norm.applies(x, x))
         branch = self.attn(self.ln_1(x) if normed is None else normed, causal=causal, out_bias=not fused)
@@ -248,6 +271,14 @@ class Block(nn.Module):
         # The sum is this block's output, the next block's input, which that block's backward keeps anyway.
         return residual_norm.residual_norm(x, branch, self._gamma(self.ls_2), *next_norm, save_sum=True,
                                            a_bias=self.mlp.c_proj.bias)
+
+    def _forward_pooled(self, x: torch.Tensor, causal: bool, normed: torch.Tensor, pooled: torch.Tensor,
+                        ) -> torch.Tensor:
+        # Only attention reads other tokens; from out_proj on, each token's output depends on its own row
+        # alone, so the rest of the block runs on one row per sample (B rows: plain ops suffice).
+        x = x[torch.arange(x.shape[0], device=x.device), pooled]
+        x = x + self.ls_1(self.attn.forward_pooled(normed, pooled, causal))
+        return x + self.ls_2(self.mlp(self.ln_2(x)))
 
     def _gamma(self, scale: nn.Module) -> torch.Tensor:
         """A residual branch's layer-scale gain for the fused kernels (ones where the model has none)."""
@@ -266,6 +297,9 @@ class Transformer(nn.Module):
             Block(width, heads, mlp_ratio, ls_init_value, quick_gelu) for _ in range(layers)
         )
         self.set_checkpointing("none")
+        # model.prune_last_block: where only some tokens' outputs are wanted (`pooled`), the last block computes
+        # only what they need. False runs it whole and picks them after (the same numbers, for comparison).
+        self.prune_last_block = True
         # Blocks may chain (forward) only where each block's parameters are whole tensors throughout the
         # forward pass: parallelize.apply_fsdp turns this off, since FSDP2 gathers one block's at a time.
         self.chain_blocks = True
@@ -316,12 +350,21 @@ class Transformer(nn.Module):
                 if isinstance(scale, LayerScale):
                     scale.init_weights()
 
-    def forward(self, x: torch.Tensor, causal: bool = False, final_norm: nn.LayerNorm | None = None) -> torch.Tensor:
-        """The blocks, then `final_norm` (the tower's norm after them) where given. Where the fused residual
-        kernels run in every block (`model.residual_norm`) and no block is checkpointed, the blocks run as a
-        chain: each block's closing residual and the norm after it (the next block's ln_1, or `final_norm`)
-        are one kernel. Its output has the 16-bit precision of the autocast dtype, which the matmul after it
-        would round to anyway; the tower's output keeps the input's dtype, as LayerNorm's under autocast."""
+    def forward(self, x: torch.Tensor, causal: bool = False, final_norm: nn.LayerNorm | None = None,
+                pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks, then `final_norm` (the tower's norm after them) where given: [B, L, W], or with `pooled`
+        (one token index per sample, the class or end-of-text token) only those tokens' states [B, W]. With
+        `prune_last_block` the last block then computes keys and values for every token and the rest for the
+        pooled tokens alone: in a tower of n blocks that saves about 0.8 / n of its work.
+
+        Where the fused residual kernels run in every block (`model.residual_norm`) and no block is
+        checkpointed, the blocks run as a chain: each block's closing residual and the norm after it (the next
+        block's ln_1, or `final_norm`) are one kernel. Its output has the 16-bit precision of the autocast
+        dtype, which the matmul after it would round to anyway; the tower's output keeps the input's dtype, as
+        LayerNorm's under autocast."""
+        prune = pooled is not None and self.prune_last_block and len(self.resblocks) > 0
+        chained = self.resblocks[:-1] if prune else self.resblocks
+        normed = None
         if self._chains(x, final_norm):
             normed = self.resblocks[0].ln_1(x)
             dtype = autocast_dtype(x.device)
@@ -329,12 +372,19 @@ class Transformer(nn.Module):
                 # Autocast leaves LayerNorm's output in float32, the fused kernels' in 16 bits: one dtype for
                 # every block's `normed` keeps one compiled graph for all of them (the QKV matmul casts anyway).
                 normed = normed.to(dtype)
-            for block, norm in zip(self.resblocks, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
+            for block, norm in zip(chained, [*(b.ln_1 for b in self.resblocks[1:]), final_norm]):
                 x, normed = block(x, causal, normed, (norm.weight, norm.bias, norm.eps))
-            return normed.to(x.dtype)
-        for block in self.resblocks:
-            x = block(x, causal=causal)
-        return x if final_norm is None else final_norm(x)
+        else:
+            for block in chained:
+                x = block(x, causal=causal)
+        if prune:
+            x = self.resblocks[-1](x, causal, normed, pooled=pooled)
+            return x if final_norm is None else final_norm(x)
+        if normed is not None:  # the chain ended in final_norm
+            x = normed.to(x.dtype)
+        elif final_norm is not None:
+            x = final_norm(x)
+        return x if pooled is None else x[torch.arange(x.shape[0], device=x.device), pooled]
 
     def _chains(self, x: torch.Tensor, final_norm: nn.LayerNorm | None) -> bool:
         modes = {block.residual_norm for block in self.resblocks}

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config import ModelConfig, VideoConfig
-from src.models.clip import CLIP, build_model
+from src.models.clip import CLIP, build_model, end_of_text
 from src.models.cross_attention import CrossAttentionBlock
 from src.models.transformer import LayerScale
 from src.models.xattn_comm import ShardLengths
@@ -185,8 +185,10 @@ class VideoCLIP(nn.Module):
             raise ValueError(f"this rank has {local} frames of a {self.frames}-frame clip, but each of the {ranks} "
                              f"ranks of the group must hold {self.frames}/{ranks}: split the frames evenly "
                              "(the trainer's Mesh.frames does)")
-        tokens = self.clip.visual.tokens(frames.flatten(0, 1))
-        per_frame = F.normalize(tokens[:, 0] @ self.clip.visual.proj, dim=-1).view(batch, local, -1)
+        class_only = self.head is None or self.frame_tokens == "cls"
+        tokens = self.clip.visual.tokens(frames.flatten(0, 1), class_only=class_only)
+        cls_state = tokens if class_only else tokens[:, 0]
+        per_frame = F.normalize(cls_state @ self.clip.visual.proj, dim=-1).view(batch, local, -1)
         frame_sum = per_frame.float().sum(dim=1)
         if group is not None:
             frame_sum = _AllReduce.apply(frame_sum, group)
@@ -196,7 +198,7 @@ class VideoCLIP(nn.Module):
         if self.frame_tokens == "patches":
             tokens = tokens[:, 1:]
         elif self.frame_tokens == "cls":
-            tokens = tokens[:, :1]
+            tokens = cls_state[:, None]
         else:
             tokens = tokens[:, 1:].mean(dim=1, keepdim=True)
         tokens = tokens.view(batch, local, *tokens.shape[1:])
@@ -207,11 +209,11 @@ class VideoCLIP(nn.Module):
         """Caption token ids (B, L) -> (the head's queries (B, Lq, width), their pooling weights (B, Lq), the
         normalized caption embedding (B, D)). The queries are every token up to end-of-text
         (`text_queries=all`, mean-pooled), or the end-of-text token alone (`eot`)."""
+        if self.text_queries == "eot":
+            eot = self.clip.text_tokens(tokens, pooled=end_of_text(tokens))
+            return eot[:, None], torch.ones(len(tokens), 1, device=tokens.device), self.clip.project_text(eot)
         states = self.clip.text_tokens(tokens)
         text = self.clip.pool_text(states, tokens)
-        if self.text_queries == "eot":
-            eot = states[torch.arange(len(tokens), device=tokens.device), tokens.argmax(dim=-1)]
-            return eot[:, None], torch.ones(len(tokens), 1, device=tokens.device), text
         valid = (tokens != 0).float()  # 0 pads the caption after end-of-text
         return states, valid / valid.sum(dim=1, keepdim=True), text
 
