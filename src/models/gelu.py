@@ -7,8 +7,9 @@ has an absolute error under 1.5·10⁻⁷: GELU(h) within 1.5·10⁻⁶ of F.gel
 GELU(h) is under 10⁻³ in magnitude (h < −3.3), its relative error grows (0.16% at h = −5), so a bfloat16 result
 there may differ from F.gelu's in the last bit; F.gelu's own 1 + erf(h/√2) rounds to 0 below h ≈ −5.5. Its e^{−x²}
 at x = h/√2 is also the density's exponential, so the gradient Φ(h) + h·φ(h) reuses it: one exp and one division
-per element each way. Compiled for an H100/H200 (`bench/kernel_resources.py --gelu`), that is 36 instead of 42
-SASS instructions per element forward and 42 instead of 55 backward. On an H200 the compiled GELU, forward and
+per element each way. Compiled for an H100/H200 (`bench/kernel_resources.py --gelu`, with the libdevice expf that
+Inductor emits for torch.exp), that is 39.5 instead of 42 SASS instructions per element forward and 45 instead of
+59 backward. On an H200 the compiled GELU, forward and
 backward, ran 1.11–1.23× as fast at the MLP shapes, and whole compiled steps 1.002–1.026× in eight of nine
 comparisons (0.98× in the ninth; docs/BENCHMARKS.md, throughput, session 13).
 
