@@ -242,18 +242,21 @@ def test_class_token_alone_equals_the_class_token_of_all_tokens():
         torch.testing.assert_close(model.visual.tokens(images, class_only=True), model.visual.tokens(images)[:, 0])
 
 
-@pytest.mark.slow
-def test_compiled_clip_runs_every_kind_of_block_call_compiled():
-    """Regional compilation (trainer.compile=true) of a whole CLIP: first, middle and pooled last blocks of both
-    towers, in training and evaluation, all stay within Dynamo's recompile limit (past it they would quietly run
-    eager), with eager's results."""
+def test_compiled_clip_runs_every_kind_of_block_call_compiled(monkeypatch):
+    """Regional compilation (trainer.compile=true) of a whole CLIP: first and pooled last blocks of both towers, in
+    training and evaluation, all stay within Dynamo's recompile limit (past it they would quietly run eager), with
+    eager's results. Dynamo's graphs and guards are what count here, so its eager backend stands in for Inductor
+    (other tests compare Inductor's code with eager)."""
     from src.models.parallelize import apply_compile
 
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
     torch.manual_seed(0)
     eager = build_model(tiny_config(ls_init_value=0.3))
     compiled = build_model(tiny_config(ls_init_value=0.3))
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     apply_compile(compiled)
     images, tokens = torch.randn(4, 3, 32, 32), _captions(4, 16)
     # Under autocast, as the trainer runs: the first block's input then has another dtype than the others'.
@@ -262,7 +265,13 @@ def test_compiled_clip_runs_every_kind_of_block_call_compiled():
             image_features, text_features, _ = model(images, tokens)
             (image_features @ text_features.T).float().sum().backward()
         with torch.no_grad():
-            evaluated = [model.eval()(images, tokens)[:2] for model in (eager, compiled)]
-    torch.testing.assert_close(evaluated[1], evaluated[0], rtol=2e-2, atol=2e-2)
+            for model in (eager, compiled):
+                model.eval()(images[:3], tokens[:3])  # an evaluation batch of another size recompiles
+            evaluated = [model(images, tokens)[:2] for model in (eager, compiled)]
+    # Per tower, the first and the pooled last block, each in training and in evaluation (the second evaluation
+    # batch size reuses the evaluation graphs, which are compiled with a dynamic batch): 8 graphs of Block.forward,
+    # Dynamo's whole default allowance; apply_compile leaves room above it (parallelize.RECOMPILE_LIMIT).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 8
+    torch.testing.assert_close(evaluated[1], evaluated[0])
     for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2, msg=name)
+        torch.testing.assert_close(a.grad, b.grad, msg=name)

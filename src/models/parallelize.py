@@ -20,9 +20,9 @@ def blocks(model: nn.Module) -> list[Block]:
 
 
 # Dynamo keeps every graph of Block.forward under that one function, up to its recompile limit (8 by default),
-# past which further kinds of call silently run eager. CLIP has up to 12: per tower, the first block (whose
-# input may have another dtype), the others and the pooled last block (Transformer.forward's `pooled`), each in
-# training and in evaluation.
+# past which further kinds of call silently run eager. CLIP has 8 to 12: per tower, the first block (whose input
+# may have another dtype), the others and the pooled last block (Transformer.forward's `pooled`), each in
+# training and in evaluation; a batch of another size or a setting changed between calls adds more.
 RECOMPILE_LIMIT = 32
 
 
