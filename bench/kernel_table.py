@@ -112,8 +112,9 @@ def idle_gaps(path: str) -> tuple[float, list[tuple[float, str, str]]]:
     event before it, the event after it with the CPU ops that launched that one)). A gap is time the GPU waited
     for the host: to queue the next kernel, or to start a step where the host waits for the last to end."""
     events = json.load(open(path))["traceEvents"]
-    gpu = sorted((event["ts"], event["ts"] + event["dur"], event) for event in events
-                 if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gpu = sorted(((event["ts"], event["ts"] + event["dur"], event) for event in events
+                  if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda item: item[:2])  # events that tie on both times are not comparable
     launchers = Launchers(events)
     gaps = []
     first, end, before = gpu[0][0], gpu[0][1], gpu[0][2]["name"]

@@ -159,6 +159,7 @@ def test_kernel_table_finds_where_the_gpu_waited(tmp_path):
         {"ph": "X", "cat": "kernel", "name": "second", "pid": 0, "tid": 9, "ts": 360, "dur": 100},
         {"ph": "X", "cat": "kernel", "name": "third", "pid": 0, "tid": 9, "ts": 3460, "dur": 40,
          "args": {"correlation": 5}},
+        {"ph": "X", "cat": "kernel", "name": "beside third", "pid": 0, "tid": 10, "ts": 3460, "dur": 40},
     ]
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
     result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "trace.json"), "--gaps"],

@@ -71,18 +71,15 @@ class VisionTransformer(nn.Module):
         patches = images.reshape(batch, channels, height // p, p, width // p, p).permute(0, 2, 4, 1, 3, 5)
         return F.linear(patches.reshape(batch, -1, channels * p * p), self.conv1.weight.flatten(1))
 
-    def _stem(self, images: torch.Tensor) -> torch.Tensor:
-        """The transformer's input: class token, patch tokens and positions, normed."""
-        x = self.embed_patches(images)
-        cls_token = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
-        x = torch.cat([cls_token, x], dim=1) + self.positional_embedding.to(x.dtype)
-        return self.ln_pre(self.patch_dropout(x))
-
     def tokens(self, images: torch.Tensor, class_only: bool = False) -> torch.Tensor:
         """(B, 1 + patches, width): the class token then the patch tokens, after the final norm; with
         `class_only` the class token's alone (B, width), for less work (Transformer.forward's `pooled`)."""
-        cls_index = torch.zeros(images.shape[0], dtype=torch.long, device=images.device) if class_only else None
-        return self.transformer(self._stem(images), final_norm=self.ln_post, pooled=cls_index)
+        x = self.embed_patches(images)
+        cls_token = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls_token, x], dim=1) + self.positional_embedding.to(x.dtype)
+        x = self.ln_pre(self.patch_dropout(x))
+        cls_index = torch.zeros(x.shape[0], dtype=torch.long, device=x.device) if class_only else None
+        return self.transformer(x, final_norm=self.ln_post, pooled=cls_index)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """(B, output_dim): the class token's final state, projected."""
