@@ -15,10 +15,11 @@ bench/residual_norm.py --configs.
 Every row also counts the kernel's SASS instructions. `--gelu` compiles element-wise GELU kernels written here for
 the count alone (bf16 in and out, 8 elements per thread), forward and backward: the exact GELU with CUDA's erf (the
 arithmetic of F.gelu under torch.compile), with Φ from Abramowitz & Stegun's erf fit (`model.gelu=rational`'s
-arithmetic, its exponential as libdevice's expf, which Inductor emits for torch.exp; `rational_exp2`, the same fit
-with libdevice's exp2f, which Inductor emits for torch.exp2) and from Numerical Recipes' erfc fit, the tanh form,
-and h·h, which moves the same bytes with almost no arithmetic. Per element, against the memory time of its bytes,
-the count tells whether a kernel is bound by its arithmetic (at about 33.5·10¹² lane-instructions/s on an H200).
+arithmetic, its exponential as libdevice's exp2f, which Inductor emits for torch.exp2; `rational_expf`, the same
+fit with libdevice's expf, which Inductor emits for torch.exp, as before session 15) and from Numerical Recipes'
+erfc fit, the tanh form, and h·h, which moves the same bytes with almost no arithmetic. Per element, against the
+memory time of its bytes, the count tells whether a kernel is bound by its arithmetic (at about 33.5·10¹² lane-
+instructions/s on an H200).
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ GELU_BLOCK, GELU_WARPS = 1024, 4  # 8 elements per thread
 def _density_exp(z, FORM: tl.constexpr):
     """e^{−z²/2} as TorchInductor emits it: torch.exp becomes libdevice's expf (without fast math), torch.exp2
     libdevice's exp2f, with log2(e)/2 folded into one constant."""
-    if FORM == "rational_exp2":
-        return libdevice.exp2(-0.7213475204444817 * z * z)
-    return libdevice.exp(-0.5 * z * z)
+    if FORM == "rational_expf":
+        return libdevice.exp(-0.5 * z * z)
+    return libdevice.exp2(-0.7213475204444817 * z * z)
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def _cdf(z, FORM: tl.constexpr):
     if FORM == "erf":
         return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
     half_erfc = 0.0
-    if FORM == "rational" or FORM == "rational_exp2":  # src/models/gelu.py: A&S 7.1.26; its exp is the density's
+    if FORM == "rational" or FORM == "rational_expf":  # src/models/gelu.py: A&S 7.1.26; its exp is the density's
         t = 1.0 / (1.0 + 0.3275911 * 0.7071067811865476 * tl.abs(z))
         p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
         half_erfc = 0.5 * p * _density_exp(z, FORM)
@@ -172,7 +173,7 @@ def _gelu_backward(grad_ptr, h_ptr, dh_ptr, n, FORM: tl.constexpr, BLOCK: tl.con
 
 
 def gelu_rows(args: argparse.Namespace) -> Iterator[dict]:
-    for form in ("erf", "rational", "rational_exp2", "erfc_fit", "tanh", "square"):
+    for form in ("erf", "rational", "rational_expf", "erfc_fit", "tanh", "square"):
         for name, kernel, pointers in (("forward", _gelu_forward, ("h_ptr", "g_ptr")),
                                        ("backward", _gelu_backward, ("grad_ptr", "h_ptr", "dh_ptr"))):
             signature = {pointer: "*bf16" for pointer in pointers} | {"n": "i32"}
