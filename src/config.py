@@ -161,6 +161,7 @@ class TrainerConfig:
     run_dir: str | None = None
     device: str = "auto"
     compile: bool = False
+    cuda_graph: bool = False
     dry_run: bool = False
     progress: bool = True
     eval: EvalConfig = field(default_factory=EvalConfig)

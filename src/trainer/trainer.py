@@ -24,6 +24,7 @@ from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import build_scaler
 from src.trainer import checkpoint, faults
+from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
 from src.trainer.distributed import DistInfo, all_reduce_mean, barrier
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
@@ -97,6 +98,10 @@ class Trainer:
             )
         self.scaler = build_scaler(cfg.precision, self.device)
         self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors)
+        self.graphed = None
+        if cfg.trainer.cuda_graph:
+            check_cuda_graph(self.device, dist_info.world_size, cfg.precision.scaler)
+            self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()))
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
         )
@@ -162,30 +167,44 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Forward, backward, update. Returns device tensors only: nothing here waits for the device."""
+    def gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Everything before the optimizer: loss, backward, unscaling, clipping (what `trainer.cuda_graph` records).
+        Device tensors only."""
         with self.autocast():
             loss = faults.corrupt_loss(self.step, self.forward_loss(batch))
         self.scaler.scale(loss).backward()
         faults.corrupt_grad(self.step, self.model)
         self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        grad_norm = clip_grad_norm(grads, self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
+        grad_norm = clip_grad_norm(self.gradients(), self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
                                    ignore_nonfinite=self.scaler.skips_tensors)
         # Gradients are averaged across ranks by now (under FSDP2 the norm adds up every rank's shards), so every
         # rank takes the same decision. (The fixed scaler's norm leaves non-finite tensors out: the optimizer skips
         # those one by one instead, also agreeing across shards.)
-        found_inf = (~grad_norm.isfinite()).float()
+        return {"loss": loss.detach(), "grad_norm": grad_norm, "found_inf": (~grad_norm.isfinite()).float()}
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward, backward, update. Returns device tensors only: nothing here waits for the device."""
+        if self.graphed is None:
+            outputs = self.forward_backward(batch)
+        else:
+            outputs = self.graphed(batch, self.device)
+        found_inf = outputs["found_inf"]
         self.scaler.step(self.optimizer, found_inf)
-        values = {"loss": loss.detach(), "grad_norm": grad_norm, "skipped_step": found_inf,
+        num_grads = len(self.gradients())
+        values = {"loss": outputs["loss"], "grad_norm": outputs["grad_norm"], "skipped_step": found_inf,
                   "logit_scale": self.model.logit_scale.detach().exp()}
-        values.update(self.rms_metrics(len(grads), found_inf))
+        values.update(self.rms_metrics(num_grads, found_inf))
         if self.scaler.skips_tensors:  # every tensor skipping its own update applies nothing either
-            values["skipped_step"] = (values["skipped_tensors"] >= len(grads)).float()
+            values["skipped_step"] = (values["skipped_tensors"] >= num_grads).float()
         scale = self.scaler.current_scale()
         if scale is not None:
             values["scale"] = scale.detach().clone()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.graphed is None or not self.graphed.captured:
+            # A recorded backward writes its gradients into the same tensors at every replay: they must stay.
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.model.clamp_logit_scale()
         return values
