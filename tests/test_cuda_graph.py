@@ -8,6 +8,7 @@ import torch
 from src.trainer import cuda_graph
 from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
 from src.trainer.distributed import DistInfo
+from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
 from tests.conftest import compose_config, data_overrides
 
@@ -102,6 +103,9 @@ def test_a_step_that_cannot_be_recorded_says_how_to_turn_it_off():
 def test_what_a_recorded_step_cannot_do_is_refused_with_the_fix(shapes, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="records CUDA kernels, but the trainer runs on cpu"):
         build_trainer(shapes, tmp_path, "trainer.cuda_graph=true")
+    cfg = compose_config(["experiment=quickstart", "trainer.cuda_graph=true"])
+    with pytest.raises(ValueError, match="(?s)cannot run:.*trainer.cuda_graph=true records CUDA kernels"):
+        preflight(cfg, DistInfo(0, 1, 0, torch.device("cpu")), str(tmp_path))
     cuda = torch.device("cuda", 0)
     with pytest.raises(ValueError, match="runs in one process, not 2"):
         check_cuda_graph(cuda, 2, "none")

@@ -10,6 +10,7 @@ from src.data.loader import check_batch_size
 from src.models.switchback.convert import check_linear_choice
 from src.optim.factory import check_optimizer_name
 from src.trainer import checkpoint
+from src.trainer.cuda_graph import check_cuda_graph
 from src.trainer.distributed import DistInfo
 
 DATA_PARALLEL = ("ddp", "fsdp2")
@@ -51,6 +52,8 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: check_heads(model),
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
         lambda: check_optimizer_name(cfg.optim.name),
+        lambda: not cfg.trainer.cuda_graph or check_cuda_graph(dist_info.device, dist_info.world_size,
+                                                               cfg.precision.scaler),
         lambda: checkpoint.find_resume(
             os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required
         ),
