@@ -1,4 +1,4 @@
-"""Compiled blocks train like eager ones (run on the device: `python -m pytest -q --noconftest tests/gpu`): the
+"""Compiled blocks train like eager ones (run on the device: `python -m pytest -q -n 0 --noconftest tests/gpu`): the
 loss over the first 50 steps of a fixed-seed ViT-B/32 run matches the eager path within bf16 tolerance, compiled
 as configured by default and compiled with every fusion and fit forced on (`model.residual_norm=fused`,
 `model.gelu=rational`).

@@ -1,4 +1,4 @@
-"""trainer.cuda_graph=true trains as the ordinary step does (run on the device: `python -m pytest -q --noconftest
+"""trainer.cuda_graph=true trains as the ordinary step does (run on the device: `python -m pytest -q -n 0 --noconftest
 tests/gpu`): a ViT-B/32 run recorded as a CUDA graph after its warm-up steps gives the losses of the same run
 launched kernel by kernel, with two batches taking turns, so a replay that kept reading its first batch would
 show. Compiled with torch's fused AdamW, and eager with StableAdamW's Triton step."""

@@ -1,5 +1,5 @@
 """model.gelu=rational on CUDA, compiled by TorchInductor as the blocks run it, against F.gelu in float64 (run on
-the device: `python -m pytest -q --noconftest tests/gpu`)."""
+the device: `python -m pytest -q -n 0 --noconftest tests/gpu`)."""
 
 import pytest
 import torch

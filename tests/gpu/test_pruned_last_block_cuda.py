@@ -1,6 +1,6 @@
 """model.prune_last_block on CUDA as the trainer runs it (compiled blocks, the fused residual-norm chain, our
 attention kernels, bf16 autocast): the pruned last block's embeddings and gradients are as close to a float32
-reference as the whole block's (run on the device: `python -m pytest -q --noconftest tests/gpu`)."""
+reference as the whole block's (run on the device: `python -m pytest -q -n 0 --noconftest tests/gpu`)."""
 
 import dataclasses
 

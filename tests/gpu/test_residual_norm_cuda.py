@@ -1,5 +1,5 @@
 """The fused residual + LayerNorm on CUDA against float64 PyTorch, at the image towers' widths, and
-deterministic (run on the device: `python -m pytest -q --noconftest tests/gpu`)."""
+deterministic (run on the device: `python -m pytest -q -n 0 --noconftest tests/gpu`)."""
 
 import pytest
 import torch
