@@ -7,16 +7,17 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
   (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`.
-It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`,
-the GPU sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on
-it, which a profile's timeline tells apart), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of
-the model, so compilation does not hide any op) and their share of a bf16 matmul measured in the same run,
-peak memory, and the caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU).
-`--peer` runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and
-batch and prints our rate over its rate. `--profile ROWS [--trace DIR]` prints the costliest kernels of three
-steps and writes their timeline (`bench/kernel_table.py` sums it per kernel; `--gaps` finds where the GPU waited;
-`--profile-gpu-only` records no CPU ops, which slow the host). `--device cpu` makes it a smoke
-test.
+It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`, the GPU
+sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on it, which a
+profile's timeline tells apart), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
+compilation does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory, and the
+caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU). With
+`trainer.cuda_graph=true` only replays of the recorded step are timed (`--warmup` must reach past the capture), and
+`host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
+(`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our rate over its rate.
+`--profile ROWS [--trace DIR]` prints the costliest kernels of three steps and writes their timeline
+(`bench/kernel_table.py` sums it per kernel; `--gaps` finds where the GPU waited; `--profile-gpu-only` records no
+CPU ops, which slow the host). `--device cpu` makes it a smoke test.
 
 A `--set` may also hold `py:MODULE.NAME=VALUE` tokens: module-level settings that are not config keys (kernel
 launch settings such as `py:src.models.residual_norm.WARPS=4`, `auto`'s thresholds such as
@@ -51,6 +52,7 @@ from src.config import register_configs  # noqa: E402
 from src.data.loader import default_num_workers  # noqa: E402
 from src.data.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.models.clip import build_model  # noqa: E402
+from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
 from src.trainer.distributed import DistInfo  # noqa: E402
 from src.trainer.loss import clip_loss  # noqa: E402
 from src.trainer.trainer import Trainer  # noqa: E402
@@ -191,6 +193,15 @@ def make_shards(directory: str, samples: int, image_size: int) -> str:
     return pattern
 
 
+def check_warmup(cfg, warmup: int) -> None:
+    """With trainer.cuda_graph=true the first WARMUP_STEPS steps run eagerly and the next one records the graph:
+    timed steps must all be replays."""
+    if cfg.trainer.cuda_graph and warmup <= WARMUP_STEPS:
+        raise ValueError(f"--warmup {warmup} would time ordinary steps and the capture of trainer.cuda_graph=true, "
+                         f"which records its graph at step {WARMUP_STEPS + 1}: pass --warmup {WARMUP_STEPS + 1} "
+                         "or more")
+
+
 def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None, trace: str | None = None) -> dict:
     device = torch.device(args.device)
     run_dir = tempfile.mkdtemp(prefix="throughput-")
@@ -199,6 +210,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     base += ["data=laion_wds", "data.mode=resampled"] if end_to_end else ["data=synthetic_shapes",
                                                                           "data.generate=false"]
     cfg = compose_config(base + [token for token in overrides if not token.startswith(MODULE_SETTING)])
+    check_warmup(cfg, args.warmup)
     if end_to_end:
         cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()

@@ -25,6 +25,17 @@ def test_throughput_bench_smoke_run(tmp_path):
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
 
 
+def test_timing_a_recorded_step_needs_warmup_past_the_capture():
+    from bench.throughput import check_warmup, compose_config
+    from src.trainer.cuda_graph import WARMUP_STEPS
+
+    graphed = compose_config(["model=vit_tiny", "trainer.cuda_graph=true"])
+    with pytest.raises(ValueError, match=f"records its graph at step {WARMUP_STEPS + 1}: pass --warmup"):
+        check_warmup(graphed, WARMUP_STEPS)
+    check_warmup(graphed, WARMUP_STEPS + 1)
+    check_warmup(compose_config(["model=vit_tiny"]), 1)  # ordinary steps: any warm-up
+
+
 def test_module_settings_hold_for_one_configuration_and_refuse_typos():
     """`--set "py:MODULE.NAME=VALUE"` (bench/throughput.py): the value holds inside the block and the old one is
     back after it, also when the block fails; a name the module lacks, or a value that is not a literal, is refused
