@@ -51,7 +51,7 @@ def test_recorded_steps_train_exactly_as_eager_ones(shapes, tmp_path, optim):
     eager = build_trainer(shapes, tmp_path / "eager", f"optim={optim}")
     graphed = build_trainer(shapes, tmp_path / "graphed", f"optim={optim}")
     parameters = list(graphed.model.parameters())
-    graphed.graphed = GraphedForwardBackward(graphed.forward_backward, parameters, warmup=2,
+    graphed.graphed = GraphedForwardBackward(graphed.forward_backward, parameters, torch.device("cpu"), warmup=2,
                                              capture=rerun_capture(parameters))
     eager_values = [eager.train_step(next(eager.loader)) for _ in range(STEPS)]
     graphed_values, grads = [], []
@@ -81,23 +81,23 @@ def test_a_batch_of_another_shape_names_both_shapes():
         loss.backward()
         return {"loss": loss.detach()}
 
-    step = GraphedForwardBackward(forward_backward, [parameter], warmup=1, capture=rerun_capture([parameter]))
     cpu = torch.device("cpu")
-    step({"x": torch.ones(4, 2), "keys": ["a", "b", "c", "d"]}, cpu)
-    step({"x": torch.ones(4, 2), "keys": ["e", "f", "g", "h"]}, cpu)  # captured: the keys are not the step's
+    step = GraphedForwardBackward(forward_backward, [parameter], cpu, warmup=1, capture=rerun_capture([parameter]))
+    step({"x": torch.ones(4, 2), "keys": ["a", "b", "c", "d"]})
+    step({"x": torch.ones(4, 2), "keys": ["e", "f", "g", "h"]})  # captured: the keys are not the step's
     with pytest.raises(ValueError, match=r"x of shape \(4, 2\) \(torch.float32\), but this batch's is \(3, 2\)"):
-        step({"x": torch.ones(3, 2)}, cpu)
+        step({"x": torch.ones(3, 2)})
     with pytest.raises(ValueError, match=r"the batch holds tensors \['y'\], the recorded step read \['x'\]"):
-        step({"y": torch.ones(4, 2)}, cpu)
+        step({"y": torch.ones(4, 2)})
 
 
 def test_a_step_that_cannot_be_recorded_says_how_to_turn_it_off():
     def refuse(run):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    step = GraphedForwardBackward(lambda batch: {}, [], warmup=0, capture=refuse)
+    step = GraphedForwardBackward(lambda batch: {}, [], torch.device("cpu"), warmup=0, capture=refuse)
     with pytest.raises(RuntimeError, match="could not be recorded as a CUDA graph.*Set trainer.cuda_graph=false"):
-        step({"x": torch.ones(1)}, torch.device("cpu"))
+        step({"x": torch.ones(1)})
 
 
 def test_what_a_recorded_step_cannot_do_is_refused_with_the_fix(shapes, tmp_path, monkeypatch):

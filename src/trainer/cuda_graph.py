@@ -65,9 +65,9 @@ class GraphedForwardBackward:
     stand-in that re-runs the callable."""
 
     def __init__(self, forward_backward: Callable[[dict[str, torch.Tensor]], StepOutputs],
-                 parameters: list[torch.nn.Parameter], warmup: int = WARMUP_STEPS,
+                 parameters: list[torch.nn.Parameter], device: torch.device, warmup: int = WARMUP_STEPS,
                  capture: Callable = capture_cuda_graph):
-        self.forward_backward, self.parameters = forward_backward, parameters
+        self.forward_backward, self.parameters, self.device = forward_backward, parameters, device
         self.warmup, self.capture = warmup, capture
         self.calls = 0
         self.replay: Callable[[], None] | None = None
@@ -78,13 +78,13 @@ class GraphedForwardBackward:
     def captured(self) -> bool:
         return self.replay is not None
 
-    def __call__(self, batch: dict, device: torch.device) -> StepOutputs:
+    def __call__(self, batch: dict) -> StepOutputs:
         self.calls += 1
         if self.calls <= self.warmup:
             return self.forward_backward(batch)
         if self.replay is None:
             # The step reads tensors only; the rest (sample keys, loader positions) is bookkeeping for the host.
-            self.static_batch = {name: torch.empty_like(value, device=device) for name, value in batch.items()
+            self.static_batch = {name: torch.empty_like(value, device=self.device) for name, value in batch.items()
                                  if isinstance(value, torch.Tensor)}
             self.copy_batch(batch)
             for p in self.parameters:

@@ -101,7 +101,7 @@ class Trainer:
         self.graphed = None
         if cfg.trainer.cuda_graph:
             check_cuda_graph(self.device, dist_info.world_size, cfg.precision.scaler)
-            self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()))
+            self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device)
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
         )
@@ -190,7 +190,7 @@ class Trainer:
         if self.graphed is None:
             outputs = self.forward_backward(batch)
         else:
-            outputs = self.graphed(batch, self.device)
+            outputs = self.graphed(batch)
         found_inf = outputs["found_inf"]
         self.scaler.step(self.optimizer, found_inf)
         num_grads = len(self.gradients())
