@@ -3,11 +3,13 @@ gradient: PyTorch's SDPA (its own kernel choice, cuDNN on an H200; plus the view
 assembles dQ, dK, dV into one tensor) against our kernels (`model.attention_backend=triton_short` up to 128
 tokens, `triton_tiled` beyond), bf16, same run, taking turns.
 
-    python bench/short_attention.py [--iters 20] [--rounds 5] [--tiled-configs 64,4,3 64,4,3,32] [--shapes "L/14"]
+    python bench/short_attention.py [--iters 20] [--rounds 5] [--tiled-configs 64,4,3 64,4,3,32]
+        [--short-configs 128,8 64,8] [--shapes "L/14"]
 
 --tiled-configs also times the tiled kernel, at every shape (the text towers' too, causal tiles skipped), with
 the given (tile rows, warps, pipelining stages[, rows per loop step]) in place of tiled_attention.py's BLOCK,
-WARPS, STAGES, STEP, in the same rounds.
+WARPS, STAGES, STEP, in the same rounds. --short-configs likewise times the one-tile kernel, at the shapes it
+takes, with (first block's rows, warps) in place of short_attention.py's FIRST_ROWS and WARPS.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
+from src.models import short_attention as short_attention_module  # noqa: E402
 from src.models import tiled_attention  # noqa: E402
 from src.models.short_attention import MAX_LENGTH, short_attention  # noqa: E402
 from src.models.transformer import sdpa_attention  # noqa: E402
@@ -40,26 +43,28 @@ SHAPES = [
 
 
 SETTINGS = ("BLOCK", "WARPS", "STAGES", "STEP")
+SHORT_SETTINGS = ("FIRST_ROWS", "WARPS")
 
 
-def with_settings(step, settings: tuple[int, ...]):
-    """`step` (forward, and backward where it has one) with tiled_attention's (BLOCK, WARPS, STAGES[, STEP]) set
-    to `settings` (STEP: None where not given)."""
-    values = dict(zip(SETTINGS, settings), STEP=settings[3] if len(settings) > 3 else None)
+def with_settings(step, settings: tuple[int, ...], module=tiled_attention, names: tuple[str, ...] = SETTINGS):
+    """`step` (forward, and backward where it has one) with `module`'s launch settings `names` (tiled_attention's
+    BLOCK, WARPS, STAGES[, STEP] by default) set to `settings` (those not given: None)."""
+    values = {name: None for name in names} | dict(zip(names, settings))
 
     def run():
-        saved = {name: getattr(tiled_attention, name) for name in SETTINGS}
+        saved = {name: getattr(module, name) for name in names}
         for name, value in values.items():
-            setattr(tiled_attention, name, value)
+            setattr(module, name, value)
         try:
             step()
         finally:
             for name, value in saved.items():
-                setattr(tiled_attention, name, value)
+                setattr(module, name, value)
     return run
 
 
-def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple[int, ...]]) -> dict:
+def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple[int, ...]],
+          short_configs: list[tuple[int, ...]]) -> dict:
     ours = short_attention if qkv.shape[1] <= MAX_LENGTH else tiled_attention.tiled_attention
     grad_out = torch.randn(*qkv.shape[:2], qkv.shape[2] // 3, device=qkv.device, dtype=qkv.dtype)
 
@@ -86,6 +91,12 @@ def steps(qkv: torch.Tensor, heads: int, causal: bool, tiled_configs: list[tuple
             continue
         timed[name + "_fwd_bwd"] = step
         timed[name + "_fwd"] = with_settings(forward(tiled_attention.tiled_attention), settings)
+    for settings in short_configs if qkv.shape[1] <= MAX_LENGTH else []:
+        name = "short_" + "_".join(map(str, settings))
+        timed[name + "_fwd_bwd"] = with_settings(forward_backward(short_attention), settings, short_attention_module,
+                                                 SHORT_SETTINGS)
+        timed[name + "_fwd"] = with_settings(forward(short_attention), settings, short_attention_module,
+                                             SHORT_SETTINGS)
     return timed
 
 
@@ -95,16 +106,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiled-configs", nargs="*", default=[], metavar="BLOCK,WARPS,STAGES[,STEP]",
                         help="other launch settings of the tiled kernel to time, e.g. 128,8,2 or 64,4,3,32")
+    parser.add_argument("--short-configs", nargs="*", default=[], metavar="FIRST_ROWS,WARPS",
+                        help="other settings of the one-tile kernel to time, e.g. 128,8 (one tile) or 64,8")
     parser.add_argument("--shapes", nargs="*", default=[], help="only the shapes whose name contains one of these")
     args = parser.parse_args()
     tiled_configs = [tuple(int(v) for v in config.split(",")) for config in args.tiled_configs]
+    short_configs = [tuple(int(v) for v in config.split(",")) for config in args.short_configs]
     for what, batch, length, heads, head_dim, causal in SHAPES:
         if args.shapes and not any(name in what for name in args.shapes):
             continue
         torch.manual_seed(0)
         qkv = torch.randn(batch, length, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)
         qkv.requires_grad_()
-        ms = interleaved_ms(steps(qkv, heads, causal, tiled_configs), args.iters, args.rounds)
+        ms = interleaved_ms(steps(qkv, heads, causal, tiled_configs, short_configs), args.iters, args.rounds)
         # Bytes the fused forward and backward must move, in units of the QKV tensor (O and dO are a third of it):
         # Q, K, V in and O out (4/3); Q, K, V, O, dO in and dQKV out (8/3).
         qkv_bytes = qkv.numel() * qkv.element_size()

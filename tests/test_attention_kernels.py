@@ -58,6 +58,8 @@ def test_tiles_cover_the_sequence_with_a_narrow_tail():
     ("triton_short", 1, 128, 2, 32, True, torch.bfloat16),  # a full tile
     ("triton_short", 2, 20, 2, 80, False, torch.float16),  # a head size that is not a power of 2 (ViT-H's 80)
     ("triton_short", 2, 1, 1, 16, False, torch.bfloat16),  # one token
+    ("triton_short", 2, 100, 2, 32, False, torch.bfloat16),  # two blocks of 64, not causal: all four pairs
+    ("triton_short", 1, 70, 1, 16, False, torch.float16),  # blocks of 64 and 16, not causal
     ("triton_short", 1, 17, 4, 16, True, torch.float16),
     ("triton_tiled", 1, 257, 2, 64, False, torch.bfloat16),  # ViT-L/14's image tower: a tail tile of 16 for one token
     ("triton_tiled", 2, 130, 2, 80, False, torch.float16),  # ViT-H/14's heads: column blocks of 64 and 16
@@ -86,6 +88,20 @@ def test_forward_and_gradient_match_float64_attention(backend, batch, length, he
     assert rel_error(qkv.grad, qkv64.grad) < grad_tolerance
 
 
+def assert_matches_float64(kernel, batch: int, length: int, head_dim: int, causal: bool) -> None:
+    """`kernel` over 2 heads in bf16 against float64 SDPA, output and dQKV."""
+    torch.manual_seed(length)
+    qkv = (torch.randn(batch, length, 3 * 2 * head_dim) * 2).bfloat16().requires_grad_()
+    out = kernel(qkv, 2, causal)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    qkv64 = qkv.detach().double().requires_grad_()
+    expected = sdpa_attention(qkv64, 2, causal)
+    expected.backward(grad_out.double())
+    assert rel_error(out, expected) < TOLERANCE[torch.bfloat16][0]
+    assert rel_error(qkv.grad, qkv64.grad) < TOLERANCE[torch.bfloat16][1]
+
+
 @interpreted
 @pytest.mark.parametrize(("block", "step"), [(64, 32), (128, 16), (32, 16)])
 @pytest.mark.parametrize(("length", "head_dim", "causal"), [(257, 80, False), (100, 32, True), (65, 16, False)])
@@ -94,16 +110,30 @@ def test_tiled_launch_settings_keep_the_result(monkeypatch, block, step, length,
     attention: the tails of both, and causal tile skipping, line up."""
     monkeypatch.setattr(ta, "BLOCK", block)
     monkeypatch.setattr(ta, "STEP", step)
-    torch.manual_seed(length)
-    qkv = (torch.randn(1, length, 3 * 2 * head_dim) * 2).bfloat16().requires_grad_()
-    out = ta.tiled_attention(qkv, 2, causal)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    qkv64 = qkv.detach().double().requires_grad_()
-    expected = sdpa_attention(qkv64, 2, causal)
-    expected.backward(grad_out.double())
-    assert rel_error(out, expected) < TOLERANCE[torch.bfloat16][0]
-    assert rel_error(qkv.grad, qkv64.grad) < TOLERANCE[torch.bfloat16][1]
+    assert_matches_float64(ta.tiled_attention, 1, length, head_dim, causal)
+
+
+@interpreted
+@pytest.mark.parametrize("first_rows", [64, 128])
+@pytest.mark.parametrize(("length", "causal"), [(77, True), (100, False), (64, True), (65, False)])
+def test_one_tile_kernel_blocks_keep_the_result(monkeypatch, first_rows, length, causal):
+    """The one-tile kernel's first block of FIRST_ROWS rows and a second for the rest (64 + 16 for a text
+    tower's 77 tokens), or one tile of 128 rows: the same attention and gradient."""
+    monkeypatch.setattr(sa, "FIRST_ROWS", first_rows)
+    assert_matches_float64(sa.short_attention, 2, length, 32, causal)
+
+
+@pytest.mark.parametrize(("length", "blocks"), [(50, (64, 0)), (77, (64, 16)), (100, (64, 64)), (128, (64, 64)),
+                                                (16, (16, 0)), (65, (64, 16))])
+def test_one_tile_kernel_splits_past_64_tokens(length, blocks):
+    assert sa._launch_config(length, 64)[:2] == blocks
+
+
+def test_a_first_block_that_overflows_the_statistics_fails_with_the_fix(monkeypatch):
+    monkeypatch.setattr(sa, "FIRST_ROWS", 32)
+    assert sa._launch_config(77, 64)[:2] == (32, 64)
+    with pytest.raises(ValueError, match="FIRST_ROWS=32 leaves 100 tokens blocks of 32 and 128 rows.*use 64 or 128"):
+        sa._launch_config(100, 64)
 
 
 @pytest.mark.parametrize(("head_dim", "stages"), [(64, 3), (80, 3), (96, 3), (128, 2)])

@@ -4,10 +4,16 @@ projection's output and writing the gradient of that output directly.
 
 Why: at these lengths the generic SDPA kernels (cuDNN, flash) tile for long sequences and run far below the
 GPU's memory bandwidth, and their gradients come back as three tensors that the QKV projection's backward
-then copies into one. Here a sequence fits one tile, so the forward pass is one read of Q, K, V and one write
-of the output, and the backward pass one read of Q, K, V, O, dO and one write of dQKV: no split softmax, no
-atomics, no copies. The arithmetic is FlashAttention's (fp32 scores and softmax, 16-bit probabilities into
-the second matmul, the backward pass recomputing P from the saved log-sum-exp).
+then copies into one. Here a program holds its whole sequence, so the forward pass is one read of Q, K, V and
+one write of the output, and the backward pass one read of Q, K, V, O, dO and one write of dQKV: no atomics,
+no copies. The arithmetic is FlashAttention's (fp32 scores and softmax, 16-bit probabilities into the second
+matmul, the backward pass recomputing P from the saved log-sum-exp).
+
+Up to 64 tokens the sequence is one tile. Longer ones are a first block of 64 rows and a second of the rest,
+padded to a power of 2 (FIRST_ROWS): a text tower's 77 causal tokens take 64 + 16 rows, whose score tiles
+(64², 16·64 and 16², the first block's queries skipping the second block's keys) hold a third of a 128 × 128
+tile's, in a program of 4 warps instead of 8. On an H200 that made the compiled ViT-B/32 step 1.012–1.017×
+faster than one tile of 128 (docs/BENCHMARKS.md, session 16).
 
 `model.attention_backend=auto` (the default) takes it wherever it applies: on a CUDA GPU, with 16-bit
 activations (bf16 or fp16 autocast), for sequences of at most 128 tokens; elsewhere PyTorch picks an SDPA
@@ -30,11 +36,15 @@ except ImportError:
 
 from src.triton_interpreter import interpreting
 
-MAX_LENGTH = 128  # the longest sequence the kernel takes: its one tile, and the rows of its saved statistics
+MAX_LENGTH = 128  # the longest sequence the kernel takes, and the rows of its saved statistics
+# Rows of a program's first block of queries and keys; the rest of a longer sequence is a second block of the next
+# power of 2 (77 tokens: 64 + 16), so that the score tiles cover 64² + 16·64 + 16² entries, not 128², and a causal
+# mask skips the first block's queries against the second block's keys. MAX_LENGTH makes it one tile.
+FIRST_ROWS = 64
+WARPS = None  # warps per program; None: 4 where the first block has at most 64 rows, else 8 (2 spill at 128)
 # The longest sequence `auto` gives it; longer ones go to tiled_attention.py's kernel. On an H200 this kernel beat
-# cuDNN's on CLIP's towers of 50 and 77 tokens (docs/BENCHMARKS.md, session 6). The tiled kernel, which would take 77
-# causal tokens as 64 + 16 rows rather than one tile of 128, has not been timed there:
-# `bench/throughput.py --set "py:src.models.short_attention.AUTO_MAX_LENGTH=64"` would.
+# cuDNN's on CLIP's towers of 50 and 77 tokens (docs/BENCHMARKS.md, session 6), and beat the tiled kernel on the
+# text towers' 77 (session 13; `bench/throughput.py --set "py:src.models.short_attention.AUTO_MAX_LENGTH=64"`).
 AUTO_MAX_LENGTH = MAX_LENGTH
 
 
@@ -73,10 +83,15 @@ def power_of_2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _launch_config(length: int, head_dim: int) -> tuple[int, int, int]:
-    """(the one tile's rows: the sequence padded to a power of 2, the head size padded likewise, warps)."""
-    block = power_of_2(length)
-    return block, power_of_2(head_dim), 4 if block <= 64 else 8
+def _launch_config(length: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(rows of the first block: the sequence padded to a power of 2, at most FIRST_ROWS; rows of the second
+    block, the rest padded likewise, or 0; the head size padded to a power of 2; warps)."""
+    first = min(power_of_2(length), FIRST_ROWS)
+    second = power_of_2(length - first) if length > first else 0
+    if first + second > MAX_LENGTH:
+        raise ValueError(f"short_attention.FIRST_ROWS={FIRST_ROWS} leaves {length} tokens blocks of {first} and "
+                         f"{second} rows, more than the {MAX_LENGTH} the statistics hold: use 64 or {MAX_LENGTH}")
+    return first, second, power_of_2(head_dim), WARPS or (4 if first <= 64 else 8)
 
 
 if triton is not None:
@@ -102,63 +117,125 @@ if triton is not None:
         return q, k, v, inside
 
     @triton.jit
-    def _scores_log2(q, k, rows, length, scale_log2, CAUSAL: tl.constexpr):
+    def _scores_log2(q, k, q_rows, k_rows, length, scale_log2, CAUSAL: tl.constexpr):
         """QKᵀ · scale in log2 units (fp32), −inf where a query may not see a key."""
         s = _dot(q, tl.trans(k)) * scale_log2
-        visible = rows[None, :] < length
+        visible = k_rows[None, :] < length
         if CAUSAL:
-            visible = visible & (rows[None, :] <= rows[:, None])
+            visible = visible & (k_rows[None, :] <= q_rows[:, None])
         return tl.where(visible, s, float("-inf"))
+
+    @triton.jit
+    def _attend(q, k, v, q_rows, k_rows, length, scale_log2, row_max, row_sum, acc, CAUSAL: tl.constexpr):
+        """Queries q against one block of keys and values, folded into the running softmax (row_max, row_sum)
+        and output accumulator: FlashAttention's online softmax, over at most two blocks."""
+        s = _scores_log2(q, k, q_rows, k_rows, length, scale_log2, CAUSAL)
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(s - new_max[:, None])
+        return new_max, row_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v)
+
+    @triton.jit
+    def _store_rows(base, x, rows, cols, length, head_dim, stride_token):
+        inside = (rows[:, None] < length) & (cols[None, :] < head_dim)
+        tl.store(base + rows[:, None] * stride_token + cols[None, :], x.to(base.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _short_attention_forward_kernel(
         qkv, out, lse, length, heads, head_dim, scale_log2,
-        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK: tl.constexpr, SECOND: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ):
+        """One (sample, head): queries and keys in a first block of BLOCK rows and, where SECOND > 0, a second
+        of SECOND rows; the first block's queries skip the second's keys under a causal mask."""
         program = tl.program_id(0)
         sample, head = program // heads, program % heads
         width = heads * head_dim
         rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
         base = qkv + sample.to(tl.int64) * length * 3 * width + head * head_dim
-        q, k, v, inside = _load_tiles(base, rows, cols, length, head_dim, 3 * width, heads)
-        s = _scores_log2(q, k, rows, length, scale_log2, CAUSAL)
-        row_max = tl.max(s, 1)
-        p = tl.exp2(s - row_max[:, None])
-        row_sum = tl.sum(p, 1)
-        o = _dot(p.to(v.dtype), v) / row_sum[:, None]
         out_base = out + sample.to(tl.int64) * length * width + head * head_dim
-        tl.store(out_base + rows[:, None] * width + cols[None, :], o.to(out.dtype.element_ty), mask=inside)
-        tl.store(lse + program.to(tl.int64) * _MAX_LENGTH + rows, row_max + tl.log2(row_sum))
+        lse_base = lse + program.to(tl.int64) * _MAX_LENGTH
+        q, k, v, _ = _load_tiles(base, rows, cols, length, head_dim, 3 * width, heads)
+        row_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+        row_sum = tl.zeros((BLOCK,), tl.float32)
+        acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+        row_max, row_sum, acc = _attend(q, k, v, rows, rows, length, scale_log2, row_max, row_sum, acc, CAUSAL)
+        if SECOND > 0:
+            rows2 = BLOCK + tl.arange(0, SECOND)
+            q2, k2, v2, _ = _load_tiles(base, rows2, cols, length, head_dim, 3 * width, heads)
+            if not CAUSAL:
+                row_max, row_sum, acc = _attend(q, k2, v2, rows, rows2, length, scale_log2, row_max, row_sum, acc,
+                                                CAUSAL)
+            max2 = tl.full((SECOND,), float("-inf"), tl.float32)
+            sum2 = tl.zeros((SECOND,), tl.float32)
+            acc2 = tl.zeros((SECOND, BLOCK_D), tl.float32)
+            max2, sum2, acc2 = _attend(q2, k, v, rows2, rows, length, scale_log2, max2, sum2, acc2, CAUSAL)
+            max2, sum2, acc2 = _attend(q2, k2, v2, rows2, rows2, length, scale_log2, max2, sum2, acc2, CAUSAL)
+            _store_rows(out_base, acc2 / sum2[:, None], rows2, cols, length, head_dim, width)
+            tl.store(lse_base + rows2, max2 + tl.log2(sum2))
+        _store_rows(out_base, acc / row_sum[:, None], rows, cols, length, head_dim, width)
+        tl.store(lse_base + rows, row_max + tl.log2(row_sum))
+
+    @triton.jit
+    def _pair_backward(q, k, v, do, row_lse, delta, q_rows, k_rows, length, scale_log2, CAUSAL: tl.constexpr):
+        """One block of queries against one block of keys: its shares of dQ and dK (both still to be scaled)
+        and of dV. Query rows past the sequence add nothing: their dO and rowsum(dO ∘ O) are zero."""
+        s = _scores_log2(q, k, q_rows, k_rows, length, scale_log2, CAUSAL)
+        p = tl.exp2(s - row_lse[:, None])
+        dv = _dot(tl.trans(p.to(do.dtype)), do)
+        ds = (p * (_dot(do, tl.trans(v)) - delta[:, None])).to(q.dtype)
+        return _dot(ds, k), _dot(tl.trans(ds), q), dv
+
+    @triton.jit
+    def _load_grad_rows(qkv, out, grad_out, lse_base, qkv_offset, out_offset, rows, cols, length, head_dim,
+                        width, heads):
+        """A block's Q, K, V, dO, log-sum-exp and rowsum(dO ∘ O) = rowsum(P ∘ dP)."""
+        q, k, v, inside = _load_tiles(qkv + qkv_offset, rows, cols, length, head_dim, 3 * width, heads)
+        offsets = out_offset + rows[:, None] * width + cols[None, :]
+        o = tl.load(out + offsets, mask=inside, other=0.0)
+        do = tl.load(grad_out + offsets, mask=inside, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        return q, k, v, do, tl.load(lse_base + rows), delta
 
     @triton.jit
     def _short_attention_backward_kernel(
         qkv, out, grad_out, lse, grad_qkv, length, heads, head_dim, scale, scale_log2,
-        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK: tl.constexpr, SECOND: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ):
+        """dQKV of one (sample, head), over the blocks of the forward kernel."""
         program = tl.program_id(0)
         sample, head = program // heads, program % heads
         width = heads * head_dim
         rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
         qkv_offset = sample.to(tl.int64) * length * 3 * width + head * head_dim
-        q, k, v, inside = _load_tiles(qkv + qkv_offset, rows, cols, length, head_dim, 3 * width, heads)
-        out_offsets = sample.to(tl.int64) * length * width + head * head_dim + rows[:, None] * width + cols[None, :]
-        o = tl.load(out + out_offsets, mask=inside, other=0.0)
-        do = tl.load(grad_out + out_offsets, mask=inside, other=0.0)
-        row_lse = tl.load(lse + program.to(tl.int64) * _MAX_LENGTH + rows)
-        # Past the sequence, dO is zero, so those rows add nothing to dK or dV.
-        s = _scores_log2(q, k, rows, length, scale_log2, CAUSAL)
-        p = tl.exp2(s - row_lse[:, None])
-        dv = _dot(tl.trans(p.to(do.dtype)), do)
-        dp = _dot(do, tl.trans(v))
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rowsum(dO ∘ O) = rowsum(P ∘ dP)
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        dq = _dot(ds, k) * scale
-        dk = _dot(tl.trans(ds), q) * scale
-        dtype = grad_qkv.dtype.element_ty
-        grad_base = grad_qkv + qkv_offset + rows[:, None] * 3 * width + cols[None, :]
-        tl.store(grad_base, dq.to(dtype), mask=inside)
-        tl.store(grad_base + width, dk.to(dtype), mask=inside)
-        tl.store(grad_base + 2 * width, dv.to(dtype), mask=inside)
+        out_offset = sample.to(tl.int64) * length * width + head * head_dim
+        lse_base = lse + program.to(tl.int64) * _MAX_LENGTH
+        q, k, v, do, row_lse, delta = _load_grad_rows(qkv, out, grad_out, lse_base, qkv_offset, out_offset, rows,
+                                                      cols, length, head_dim, width, heads)
+        dq, dk, dv = _pair_backward(q, k, v, do, row_lse, delta, rows, rows, length, scale_log2, CAUSAL)
+        grad_base = grad_qkv + qkv_offset
+        if SECOND > 0:
+            rows2 = BLOCK + tl.arange(0, SECOND)
+            q2, k2, v2, do2, lse2, delta2 = _load_grad_rows(qkv, out, grad_out, lse_base, qkv_offset, out_offset,
+                                                            rows2, cols, length, head_dim, width, heads)
+            dq2, dk_part, dv_part = _pair_backward(q2, k, v, do2, lse2, delta2, rows2, rows, length, scale_log2,
+                                                   CAUSAL)
+            dk += dk_part
+            dv += dv_part
+            dq_part, dk2, dv2 = _pair_backward(q2, k2, v2, do2, lse2, delta2, rows2, rows2, length, scale_log2,
+                                               CAUSAL)
+            dq2 += dq_part
+            if not CAUSAL:
+                dq_part, dk_part, dv_part = _pair_backward(q, k2, v2, do, row_lse, delta, rows, rows2, length,
+                                                           scale_log2, CAUSAL)
+                dq += dq_part
+                dk2 += dk_part
+                dv2 += dv_part
+            _store_rows(grad_base, dq2 * scale, rows2, cols, length, head_dim, 3 * width)
+            _store_rows(grad_base + width, dk2 * scale, rows2, cols, length, head_dim, 3 * width)
+            _store_rows(grad_base + 2 * width, dv2, rows2, cols, length, head_dim, 3 * width)
+        _store_rows(grad_base, dq * scale, rows, cols, length, head_dim, 3 * width)
+        _store_rows(grad_base + width, dk * scale, rows, cols, length, head_dim, 3 * width)
+        _store_rows(grad_base + 2 * width, dv, rows, cols, length, head_dim, 3 * width)
 
 
 def _shape(qkv: torch.Tensor, heads: int) -> tuple[int, int, int, int]:
@@ -172,13 +249,13 @@ def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor,
     """qkv [B, L, 3·W] (contiguous, laid out as the QKV projection writes it) -> (out [B, L, W], the
     log-sum-exp of each query's scores in log2 units [B·heads, MAX_LENGTH], fp32, the tile's rows first)."""
     batch, length, width, head_dim = _shape(qkv, heads)
-    block, block_d, warps = _launch_config(length, head_dim)
+    block, second, block_d, warps = _launch_config(length, head_dim)
     out = qkv.new_empty(batch, length, width)
     lse = torch.empty(batch * heads, MAX_LENGTH, device=qkv.device, dtype=torch.float32)
     scale = head_dim ** -0.5
     _short_attention_forward_kernel[(batch * heads,)](
         qkv, out, lse, length, heads, head_dim, scale * math.log2(math.e),
-        BLOCK=block, BLOCK_D=block_d, CAUSAL=causal, num_warps=warps,
+        BLOCK=block, SECOND=second, BLOCK_D=block_d, CAUSAL=causal, num_warps=warps,
     )
     return out, lse
 
@@ -196,12 +273,12 @@ def _backward(
 ) -> torch.Tensor:
     """The gradient of qkv, in qkv's layout."""
     batch, length, width, head_dim = _shape(qkv, heads)
-    block, block_d, warps = _launch_config(length, head_dim)
+    block, second, block_d, warps = _launch_config(length, head_dim)
     grad_qkv = torch.empty_like(qkv)
     scale = head_dim ** -0.5
     _short_attention_backward_kernel[(batch * heads,)](
         qkv, out, grad_out, lse, grad_qkv, length, heads, head_dim, scale, scale * math.log2(math.e),
-        BLOCK=block, BLOCK_D=block_d, CAUSAL=causal, num_warps=warps,
+        BLOCK=block, SECOND=second, BLOCK_D=block_d, CAUSAL=causal, num_warps=warps,
     )
     return grad_qkv
 
