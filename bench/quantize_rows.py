@@ -11,10 +11,11 @@ a row reduction: PyTorch's cast to e4m3 (read 2 bytes, write 1) and a compiled x
 are CUDA-event medians (bench/switchback.py's `interleaved_ms`), with the share of the bandwidth given by
 `--bandwidth` that the 3 bytes per element reach.
 
-Without column sums, a candidate is timed too: `quantize_rows_split`, the same arithmetic with each row loaded as
-two power-of-two pieces (1280 = 1024 + 256, 5120 = 4096 + 1024) instead of one padded to the next power of two
-(2048, 8192), where main's kernel leaves 37.5% of its lanes idle. It is checked bit for bit against main's kernel
-before it is timed (and in CI through the interpreter: tests/test_switchback_kernels.py).
+A candidate is timed too, with and without column sums: `quantize_rows_split`, the same arithmetic with each row
+loaded as two power-of-two pieces (1280 = 1024 + 256, 5120 = 4096 + 1024) instead of one padded to the next power
+of two (2048, 8192), where main's kernel leaves 37.5% of its lanes idle. It is checked against main's kernel (bit
+for bit; the column sums to float rounding) before it is timed, and in CI through the interpreter
+(tests/test_switchback_kernels.py).
 """
 
 from __future__ import annotations
@@ -38,27 +39,40 @@ WIDTHS = (1280, 3840, 5120)
 
 
 @triton.jit
-def _quantize_rows_split_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_r, BLOCK_R: tl.constexpr,
-                                BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, HAS_B: tl.constexpr,
-                                FP8: tl.constexpr):
-    """kernels._quantize_rows_kernel without column sums, each row as columns [0, BLOCK_A) and [BLOCK_A, C)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_rows = rows[:, None] < R
+def _quantize_rows_split_kernel(x_ptr, q_ptr, scale_ptr, colsum_ptr, R, C, stride_r, ROWS: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                                HAS_B: tl.constexpr, FP8: tl.constexpr, COLSUM: tl.constexpr):
+    """kernels._quantize_rows_kernel with each row as columns [0, BLOCK_A) and [BLOCK_A, C): ROWS rows per
+    program, BLOCK_R at a time, and with COLSUM their column sums in the program's row of colsum_ptr."""
     cols_a = tl.arange(0, BLOCK_A)
-    xa = tl.load(x_ptr + rows[:, None] * stride_r + cols_a[None, :], mask=in_rows, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(xa), axis=1)
-    if HAS_B:
-        cols_b = BLOCK_A + tl.arange(0, BLOCK_B)
+    cols_b = BLOCK_A + tl.arange(0, BLOCK_B)
+    sum_a = tl.zeros((BLOCK_A,), tl.float32)
+    sum_b = tl.zeros((BLOCK_B,), tl.float32)
+    for start in range(0, ROWS, BLOCK_R):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
+        in_rows = rows[:, None] < R
+        xa = tl.load(x_ptr + rows[:, None] * stride_r + cols_a[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(xa), axis=1)
         mask_b = in_rows & (cols_b[None, :] < C)
-        xb = tl.load(x_ptr + rows[:, None] * stride_r + cols_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xb), axis=1))
-    amax = kernels._nonzero(amax)
-    tl.store(q_ptr + rows[:, None] * C + cols_a[None, :], kernels._quantize_values(xa, amax[:, None], FP8),
-             mask=in_rows)
-    if HAS_B:
-        tl.store(q_ptr + rows[:, None] * C + cols_b[None, :], kernels._quantize_values(xb, amax[:, None], FP8),
-                 mask=mask_b)
-    tl.store(scale_ptr + rows, kernels._dequantize_scale(amax, FP8), mask=rows < R)
+        xb = tl.zeros((BLOCK_R, BLOCK_B), tl.float32)
+        if HAS_B:
+            xb = tl.load(x_ptr + rows[:, None] * stride_r + cols_b[None, :], mask=mask_b, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xb), axis=1))
+        amax = kernels._nonzero(amax)
+        tl.store(q_ptr + rows[:, None] * C + cols_a[None, :], kernels._quantize_values(xa, amax[:, None], FP8),
+                 mask=in_rows)
+        if HAS_B:
+            tl.store(q_ptr + rows[:, None] * C + cols_b[None, :], kernels._quantize_values(xb, amax[:, None], FP8),
+                     mask=mask_b)
+        tl.store(scale_ptr + rows, kernels._dequantize_scale(amax, FP8), mask=rows < R)
+        if COLSUM:
+            sum_a += tl.sum(xa, axis=0)
+            sum_b += tl.sum(xb, axis=0)
+    if COLSUM:
+        base = colsum_ptr + tl.program_id(0).to(tl.int64) * C
+        tl.store(base + cols_a, sum_a)
+        if HAS_B:
+            tl.store(base + cols_b, sum_b, mask=cols_b < C)
 
 
 def largest_power_of_2(n: int) -> int:
@@ -66,20 +80,26 @@ def largest_power_of_2(n: int) -> int:
     return 2 ** (n.bit_length() - 1)
 
 
-def quantize_rows_split(x: torch.Tensor, fp8: bool, block_r: int = 1, warps: int = 4
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale [R, 1]) of a row-contiguous 2-D x, as kernels.quantize_rows(x, fp8) gives them."""
+def quantize_rows_split(x: torch.Tensor, fp8: bool, block_r: int = 1, warps: int = 4, column_sums: bool = False,
+                        rows_per_program: int = kernels._ROWS_PER_PROGRAM,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, scale [R, 1], column sums or None) of a row-contiguous 2-D x, as kernels.quantize_rows(x, fp8,
+    column_sums) gives them; with column sums each program walks `rows_per_program` rows, as the kernel's do."""
     rows, cols = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"quantize_rows_split needs rows contiguous in memory, got strides {x.stride()}")
     block_a = largest_power_of_2(cols)
     rest = cols - block_a
+    per_program = rows_per_program if column_sums else block_r
+    programs = triton.cdiv(rows, per_program)
     q = torch.empty((rows, cols), dtype=kernels._quantized_dtype(fp8), device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    _quantize_rows_split_kernel[(triton.cdiv(rows, block_r),)](
-        x, q, scale, rows, cols, x.stride(0), BLOCK_R=block_r, BLOCK_A=block_a,
-        BLOCK_B=triton.next_power_of_2(max(rest, 1)), HAS_B=rest > 0, FP8=fp8, num_warps=warps)
-    return q, scale
+    partial = torch.empty((programs, cols) if column_sums else (1,), dtype=torch.float32, device=x.device)
+    _quantize_rows_split_kernel[(programs,)](
+        x, q, scale, partial, rows, cols, x.stride(0), ROWS=per_program, BLOCK_R=block_r, BLOCK_A=block_a,
+        BLOCK_B=triton.next_power_of_2(max(rest, 1)), HAS_B=rest > 0, FP8=fp8, COLSUM=column_sums,
+        num_warps=warps)
+    return q, scale, partial.sum(0) if column_sums else None
 
 
 def with_config(config, rows_per_program: int, fn):
@@ -118,16 +138,17 @@ def time_width(width: int, colsum: bool, args: argparse.Namespace) -> dict:
                 name = f"r{block_r}_w{warps}" + (f"_p{rows_per_program}" if colsum else "")
                 fns[name] = with_config(triton.Config({"BLOCK_R": block_r}, num_warps=warps), rows_per_program,
                                         quantize)
-    if not colsum:
-        q, scale, _ = kernels.quantize_rows(x, True)
-        split_q, split_scale = quantize_rows_split(x, True)
-        if not (torch.equal(split_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(split_scale, scale)):
-            raise AssertionError(f"quantize_rows_split differs from kernels.quantize_rows at width {width}")
-        for block_r in args.rows_per_block:
-            for warps in args.warps:
-                if block_r * largest_power_of_2(width) <= 128 * 32 * warps:
-                    fns[f"split_r{block_r}_w{warps}"] = (
-                        lambda block_r=block_r, warps=warps: quantize_rows_split(x, True, block_r, warps))
+    q, scale, sums = kernels.quantize_rows(x, True, colsum)
+    split_q, split_scale, split_sums = quantize_rows_split(x, True, column_sums=colsum)
+    if not (torch.equal(split_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(split_scale, scale)):
+        raise AssertionError(f"quantize_rows_split differs from kernels.quantize_rows at width {width}")
+    if colsum:
+        torch.testing.assert_close(split_sums, sums, rtol=1e-5, atol=1e-3)
+    for block_r in args.rows_per_block:
+        for warps in args.warps:
+            if block_r * largest_power_of_2(width) <= 128 * 32 * warps and kernels._ROWS_PER_PROGRAM % block_r == 0:
+                fns[f"split_r{block_r}_w{warps}"] = (
+                    lambda block_r=block_r, warps=warps: quantize_rows_split(x, True, block_r, warps, colsum))
     ms = interleaved_ms(fns, args.iters, args.rounds)
     bound = 3 * x.numel() / (args.bandwidth * 1e12) * 1e3
     fastest = sorted((k for k in ms if k.startswith("r")), key=ms.get)[:args.top]

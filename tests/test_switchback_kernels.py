@@ -48,14 +48,20 @@ def test_quantize_rows_is_bitwise_the_reference(fp8, dtype, shape):
 @interpreted
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize(("shape", "block_r"), [((37, 300), 2), ((16, 1280), 1), ((5, 64), 4), ((3, 5), 1)])
-def test_bench_candidate_quantizer_in_two_pieces_is_bitwise_the_kernel(fp8, shape, block_r):
-    """bench/quantize_rows.py's candidate (each row loaded as two power-of-two pieces) quantizes as the kernel."""
+@pytest.mark.parametrize("column_sums", [False, True])
+def test_bench_candidate_quantizer_in_two_pieces_is_bitwise_the_kernel(fp8, shape, block_r, column_sums):
+    """bench/quantize_rows.py's candidate (each row loaded as two power-of-two pieces) quantizes as the kernel,
+    and sums the columns as it does (the same rows per program)."""
     from bench.quantize_rows import quantize_rows_split
 
     x = operand(*shape, torch.bfloat16)
-    q, scale = quantize_rows_split(x, fp8, block_r=block_r)
-    want_q, want_scale, _ = kernels.quantize_rows(x, fp8)
+    q, scale, sums = quantize_rows_split(x, fp8, block_r=block_r, column_sums=column_sums)
+    want_q, want_scale, want_sums = kernels.quantize_rows(x, fp8, column_sums=column_sums)
     assert torch.equal(as_bits(q), as_bits(want_q)) and torch.equal(scale, want_scale)
+    if column_sums:
+        torch.testing.assert_close(sums, want_sums, rtol=1e-6, atol=1e-5)
+    else:
+        assert sums is None
 
 
 @interpreted
