@@ -137,6 +137,8 @@ if triton is not None:
 
     @triton.jit
     def _store_rows(base, x, rows, cols, length, head_dim, stride_token):
+        """Rows `rows`, columns `cols` of one head's tensor, cast to base's dtype, past the sequence and the head
+        left out (tiled_attention.py's kernels store with it too)."""
         inside = (rows[:, None] < length) & (cols[None, :] < head_dim)
         tl.store(base + rows[:, None] * stride_token + cols[None, :], x.to(base.dtype.element_ty), mask=inside)
 

@@ -33,7 +33,7 @@ try:
     import triton
     import triton.language as tl
 
-    from src.models.short_attention import _dot
+    from src.models.short_attention import _dot, _store_rows
 except ImportError:
     triton = None
 
@@ -87,11 +87,6 @@ if triton is not None:
         """Rows `rows`, columns `cols` of one head's Q, K, V, O or dO, zero past the sequence and the head."""
         inside = (rows[:, None] < length) & (cols[None, :] < head_dim)
         return tl.load(base + rows[:, None] * stride_token + cols[None, :], mask=inside, other=0.0)
-
-    @triton.jit
-    def _store_rows(base, value, rows, cols, length, head_dim, stride_token):
-        inside = (rows[:, None] < length) & (cols[None, :] < head_dim)
-        tl.store(base + rows[:, None] * stride_token + cols[None, :], value.to(base.dtype.element_ty), mask=inside)
 
     # A head's features are held as two column blocks: D0 (a power of 2) and D1 (the rest, padded to a power of 2;
     # 0 where D0 is the whole head), so that ViT-H/14's heads of 80 cost 64 + 16 columns, not 128. Where D1 is 0
