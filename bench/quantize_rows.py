@@ -81,16 +81,16 @@ def largest_power_of_2(n: int) -> int:
 
 
 def quantize_rows_split(x: torch.Tensor, fp8: bool, block_r: int = 1, warps: int = 4, column_sums: bool = False,
-                        rows_per_program: int = kernels._ROWS_PER_PROGRAM,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, scale [R, 1], column sums or None) of a row-contiguous 2-D x, as kernels.quantize_rows(x, fp8,
-    column_sums) gives them; with column sums each program walks `rows_per_program` rows, as the kernel's do."""
+    column_sums) gives them; with column sums each program walks kernels._ROWS_PER_PROGRAM rows, as the kernel's
+    do."""
     rows, cols = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"quantize_rows_split needs rows contiguous in memory, got strides {x.stride()}")
     block_a = largest_power_of_2(cols)
     rest = cols - block_a
-    per_program = rows_per_program if column_sums else block_r
+    per_program = kernels._ROWS_PER_PROGRAM if column_sums else block_r
     programs = triton.cdiv(rows, per_program)
     q = torch.empty((rows, cols), dtype=kernels._quantized_dtype(fp8), device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
