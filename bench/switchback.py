@@ -2,11 +2,14 @@
 
     python bench/switchback.py [--tokens 65792] [--iters 20] [--rounds 3] [--json out.json]
 
-Times are CUDA-event medians: the median of per-round medians, the variants taking turns in each round. For
-bf16 `F.linear` and each SwitchBack variant on the cuda backend: the layer's forward + backward, the share of
-the SwitchBack layer's time spent quantizing, and the memory a layer saves for backward
-(switchback_int8_memeff keeps only int8 inputs). Then the forward matmul of each layer alone: bf16 cuBLAS,
-cuBLAS int8 (`torch._int_mm`), and our int8 kernel with plain and with TMA loads (`kernels.int8_matmul`).
+Times are CUDA-event medians of GPU time (the host queues each call while the GPU sleeps, so a slow host does not
+count, as in a training step whose host runs ahead): the median of per-round medians, the variants taking turns in
+each round. For bf16 `F.linear` and each SwitchBack variant on the cuda backend (fp8 also with
+`fp8_fast_accum=False`, as `switchback_fp8+promoted_accum`): the layer's forward + backward, the share of the
+SwitchBack layer's time spent quantizing, and the memory a layer saves for backward (switchback_int8_memeff keeps
+only int8 inputs). Then the forward matmul of each layer alone: bf16 cuBLAS, cuBLAS int8 (`torch._int_mm`), our int8
+kernel with plain and with TMA loads (`kernels.int8_matmul`), and cuBLAS fp8 with and without fast accumulation,
+forward and input gradient, with the fp8 matmul's error against float64 beside the quantization's own.
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ from src.models.switchback.functions import quantize_rows, quantize_tensor
 SHAPES = {"qkv 1280->3840": (1280, 3840), "fc1 1280->5120": (1280, 5120), "fc2 5120->1280": (5120, 1280)}
 
 
+HOST_HEADSTART_CYCLES = 50_000_000  # about 25 ms of GPU clock cycles: longer than the host takes to queue one call
+
+
 def time_ms(fn, iters: int) -> float:
+    """GPU milliseconds of one call (median). The GPU first sleeps while the host queues the call, so the time is
+    the GPU's own, as in a training step whose host runs ahead, not that of the host launching the kernels."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOST_HEADSTART_CYCLES)
         start.record()
         fn()
         end.record()
@@ -49,11 +58,19 @@ def interleaved_ms(fns: dict, iters: int, rounds: int) -> dict:
     return {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
 
 
+PROMOTED = "+promoted_accum"  # "switchback_fp8+promoted_accum": the fp8 layer with fp8_fast_accum=False
+
+
+def linear(x, w, b, variant):
+    variant, promoted, _ = variant.partition(PROMOTED)
+    return F.linear(x, w, b) if variant == "bf16" else switchback_linear(x, w, b, variant, "cuda", not promoted)
+
+
 def layer_step(x, w, b, g, variant):
     def step():
         xi = x.detach().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = F.linear(xi, w, b) if variant == "bf16" else switchback_linear(xi, w, b, variant, "cuda")
+            y = linear(xi, w, b, variant)
         y.backward(g)
     return step
 
@@ -77,7 +94,7 @@ def saved_bytes(x, w, b, variant) -> int:
     before = torch.cuda.memory_allocated()
     xi = x.detach().requires_grad_() * 1.0
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = F.linear(xi, w, b) if variant == "bf16" else switchback_linear(xi, w, b, variant, "cuda")
+        y = linear(xi, w, b, variant)
     del xi
     held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
     del y
@@ -85,7 +102,8 @@ def saved_bytes(x, w, b, variant) -> int:
 
 
 def matmuls(tokens: int, k: int, n: int, iters: int, rounds: int) -> dict:
-    """Milliseconds of the layer's forward matmul [tokens, k] x [k, n] alone, by kernel."""
+    """Milliseconds of the layer's forward matmul [tokens, k] x [k, n] alone, by kernel; for fp8 also its input
+    gradient's [tokens, n] x [n, k], with and without fast accumulation, beside bf16's."""
     a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     qa = torch.randint(-127, 128, (tokens, k), device="cuda", dtype=torch.int8)
@@ -95,7 +113,47 @@ def matmuls(tokens: int, k: int, n: int, iters: int, rounds: int) -> dict:
     for kernel in ("pointer", "tma"):
         fns[f"ours_int8_{kernel}"] = (
             lambda kernel=kernel: kernels.int8_matmul(qa, sa, qw.t(), sw, None, torch.bfloat16, kernel=kernel))
+    if torch.cuda.get_device_capability() >= (8, 9):
+        # fp8 row-wise, forward [tokens, k] x [k, n] and input gradient [tokens, n] x [n, k]
+        fa, fw = qa.to(torch.float8_e4m3fn), qw.to(torch.float8_e4m3fn)
+        fg, fwt = torch.randn(tokens, n, device="cuda").to(torch.float8_e4m3fn), fw.t().contiguous()
+        sk, gb = torch.rand(1, k, device="cuda"), torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        fns["bf16_input_grad"] = lambda: gb @ w
+        for fast in (False, True):
+            suffix = "_fast_accum" if fast else ""
+            fns[f"fp8{suffix}"] = lambda fast=fast: torch._scaled_mm(
+                fa, fw.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=fast)
+            fns[f"fp8_input_grad{suffix}"] = lambda fast=fast: torch._scaled_mm(
+                fg, fwt.t(), scale_a=sa, scale_b=sk, out_dtype=torch.bfloat16, use_fast_accum=fast)
     return interleaved_ms(fns, iters, rounds)
+
+
+def accumulation_error(tokens: int, k: int, n: int) -> dict:
+    """The fp8 matmul's error against float64 arithmetic on the same quantized operands, with and without fast
+    accumulation, beside the quantization's own error (float64 on the unquantized operands): relative
+    Frobenius norms of the differences. Activations with a few large columns, as LayerNorm outputs have.
+    (bf16 output rounding adds about 0.1%.)"""
+    torch.manual_seed(0)
+    x = torch.randn(tokens, k, device="cuda")
+    x[:, :8] *= 20
+    x = x.bfloat16()
+    w = torch.randn(n, k, device="cuda") * k ** -0.5
+    v = VARIANTS["switchback_fp8"]
+    qx, sx, _ = quantize_rows(v, "cuda", x)
+    qw, _, sw = quantize_tensor(v, "cuda", w)
+    exact = (qx.double() * sx.double()) @ (qw.double() * sw.double()).t()
+    unquantized = x.double() @ w.double().t()
+
+    def rel(y):
+        return ((y - exact).norm() / exact.norm()).item()
+    result = {"quantization_error": ((exact - unquantized).norm() / unquantized.norm()).item()}
+    one = torch.ones((), device="cuda")
+    for fast in (False, True):
+        # Row-wise scaling writes only bf16, whose rounding would hide the accumulator's: unit tensor-wise scales
+        # give the float32 sums, scaled afterwards in float64.
+        y = torch._scaled_mm(qx, qw.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
+        result["fast_accum_error" if fast else "accum_error"] = rel(y.double() * sx.double() * sw.double())
+    return result
 
 
 def main() -> int:
@@ -109,7 +167,7 @@ def main() -> int:
         print("bench/switchback.py needs a CUDA GPU", file=sys.stderr)
         return 2
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
-    variants = ["bf16", *(v for v in VARIANTS if fp8 or not VARIANTS[v].fp8)]
+    variants = ["bf16", *(v for v in VARIANTS if fp8 or not VARIANTS[v].fp8), *([f"switchback_fp8{PROMOTED}"] * fp8)]
     rows = []
     for name, (k, n) in SHAPES.items():
         x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -121,7 +179,7 @@ def main() -> int:
             ms = times[variant]
             row = {"layer": name, "variant": variant, "ms": ms, "speedup_vs_bf16": times["bf16"] / ms,
                    "saved_activation_mib": saved_bytes(x, w, b, variant) / 2**20}
-            if variant != "bf16":
+            if variant in VARIANTS:
                 parts = interleaved_ms(quantizers(VARIANTS[variant], x, w, g), args.iters, args.rounds)
                 quant_ms = sum(parts.values())
                 row["quantize_ms"], row["quantize_share"] = quant_ms, quant_ms / ms
@@ -132,7 +190,12 @@ def main() -> int:
     for name, (k, n) in SHAPES.items():
         times = matmuls(args.tokens, k, n, args.iters, args.rounds)
         row = {"layer": name, **{f"{kernel}_ms": ms for kernel, ms in times.items()},
-               **{f"{kernel}_speedup_vs_bf16": times["bf16"] / ms for kernel, ms in times.items() if kernel != "bf16"}}
+               **{f"{kernel}_speedup_vs_bf16": times[peer] / ms for kernel, ms in times.items()
+                  if kernel != (peer := "bf16_input_grad" if "input_grad" in kernel else "bf16")}}
+        if fp8:
+            for direction, (inner, outer) in (("forward", (k, n)), ("input_grad", (n, k))):
+                errors = accumulation_error(args.tokens, inner, outer)
+                row.update({f"{direction}_{name}": error for name, error in errors.items()})
         matmul_rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,

@@ -72,6 +72,7 @@ class ModelConfig:
     prune_last_block: bool = True
     linear: str = "standard"
     linear_backend: str = "cuda"
+    fp8_fast_accum: bool = True
     init_from: str | None = None
     video: VideoConfig = field(default_factory=VideoConfig)
 

@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 
 from src.models import build_model
 from src.models.parallelize import apply_compile
-from src.models.switchback import VARIANTS, SwitchBackLinear, convert_to_switchback, switchback_linear
+from src.models.switchback import VARIANTS, SwitchBackLinear, convert_to_switchback, functions, switchback_linear
 from src.models.transformer import Attention
 from tests.test_model import tiny_config
 
@@ -107,9 +107,9 @@ def test_zero_rows_quantize_to_zero_without_nan():
     assert torch.equal(y, torch.zeros(4, 3))
 
 
-def switchback_model(variant="switchback_int8"):
+def switchback_model(variant="switchback_int8", fp8_fast_accum=True):
     config = tiny_config(ls_init_value=0.1)
-    config.linear, config.linear_backend = variant, "reference"
+    config.linear, config.linear_backend, config.fp8_fast_accum = variant, "reference", fp8_fast_accum
     return build_model(config)
 
 
@@ -198,5 +198,35 @@ def test_custom_ops_pass_torch_library_checks(variant):
     checks = ("test_autograd_registration", "test_faketensor")
     if not VARIANTS[variant].fp8:  # the schema checker multiplies outputs, which CPU fp8 tensors cannot do
         checks += ("test_schema",)
-    torch.library.opcheck(torch.ops.stableclip.switchback_forward.default, (x, w, b, variant, "reference"),
+    torch.library.opcheck(torch.ops.stableclip.switchback_forward.default, (x, w, b, variant, "reference", True),
                           test_utils=checks)
+
+
+def test_fp8_fast_accum_reaches_both_fp8_matmuls(monkeypatch):
+    """model.fp8_fast_accum travels from the config through the swapped layers and both custom ops to the
+    forward and input-gradient matmuls (on a GPU, `torch._scaled_mm(use_fast_accum=...)`)."""
+    seen = []
+    real = functions.low_precision_matmul
+
+    def recording(*args):
+        seen.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(functions, "low_precision_matmul", recording)
+    for fast_accum in (True, False):
+        model = switchback_model("switchback_fp8", fp8_fast_accum=fast_accum)
+        swapped = [m for m in model.modules() if isinstance(m, SwitchBackLinear)]
+        assert swapped and all(m.fp8_fast_accum is fast_accum for m in swapped)
+        seen.clear()
+        image, text, _ = model(torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16)))
+        (image @ text.T).sum().backward()
+        assert len(seen) >= 2 * len(swapped) and set(seen) == {fast_accum}
+
+
+def test_fast_accum_is_the_scaled_mm_flag(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(kwargs["use_fast_accum"]))
+    q, scale = torch.zeros(4, 16, dtype=torch.float8_e4m3fn), torch.ones(4, 1)
+    for fast_accum in (True, False):
+        functions.low_precision_matmul(VARIANTS["switchback_fp8"], "cuda", q, scale, q.t(), torch.ones(1, 1), None,
+                                       torch.bfloat16, fast_accum)
+    assert calls == [True, False]

@@ -106,7 +106,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
         model = CLIP(cfg)
     if cfg.linear != "standard":
         check_linear_choice(cfg.linear, cfg.linear_backend, torch.device(device))
-        convert_to_switchback(model, cfg.linear, cfg.linear_backend)
+        convert_to_switchback(model, cfg.linear, cfg.linear_backend, cfg.fp8_fast_accum)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         model.init_weights()

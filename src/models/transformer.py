@@ -209,7 +209,7 @@ def set_gelu(module: nn.Module, form: str) -> None:
 def linear_without_bias(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x Wᵀ of a linear layer, its bias left out, in the layer's own arithmetic (plain or SwitchBack)."""
     if isinstance(linear, SwitchBackLinear):
-        return switchback_linear(x, linear.weight, None, linear.variant, linear.backend)
+        return switchback_linear(x, linear.weight, None, linear.variant, linear.backend, linear.fp8_fast_accum)
     return F.linear(x, linear.weight)
 
 
