@@ -92,7 +92,7 @@ def low_precision_matmul(
     """(qa @ qb) dequantized by scale_a ([M, 1]) · scale_b ([1, N] or [1, 1]), plus bias. qb [K, N] is
     column-major (contiguous along K) where the callers can make it so for free: the 8-bit tensor cores read
     both operands along K. `fast_accum`: the fp8 tensor cores keep their partial sums at their own precision
-    instead of promoting them to float32 every 128 products (the reference sums exactly either way)."""
+    instead of promoting them to float32 periodically, cuBLAS's default (the reference sums exactly either way)."""
     if backend == "reference":
         matmul = ref.fp8_matmul_dequant if variant.fp8 else ref.int8_matmul_dequant
         return matmul(qa, scale_a, qb, scale_b, bias, out_dtype)
