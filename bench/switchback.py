@@ -140,7 +140,8 @@ def accumulation_error(tokens: int, k: int, n: int) -> dict:
     w = torch.randn(n, k, device="cuda") * k ** -0.5
     v = VARIANTS["switchback_fp8"]
     qx, sx, _ = quantize_rows(v, "cuda", x)
-    qw, _, sw = quantize_tensor(v, "cuda", w)
+    qw, _, row_scales, _ = quantize_tensor(v, "cuda", w)
+    sw = row_scales[0, 0]  # one scale for W
     exact = (qx.double() * sx.double()) @ (qw.double() * sw.double()).t()
     unquantized = x.double() @ w.double().t()
 

@@ -90,7 +90,8 @@ def test_weight_gradient_is_exactly_high_precision(variant, operands):
     assert torch.equal(dw, g.T @ x)
 
 
-def test_autocast_output_dtype_and_bf16_weight_gradient(operands):
+def test_autocast_output_dtype_and_float32_weight_gradient(operands):
+    """Under autocast the weight gradient sums bf16 products in float32 and is not rounded to bf16."""
     x, w, b, g = operands
     w = w.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -98,7 +99,8 @@ def test_autocast_output_dtype_and_bf16_weight_gradient(operands):
     assert y.dtype == torch.bfloat16
     y.backward(g.bfloat16())
     assert w.grad.dtype == torch.float32
-    assert torch.equal(w.grad, (g.bfloat16().T @ x.bfloat16()).float())
+    assert torch.equal(w.grad, g.bfloat16().T.float() @ x.bfloat16().float())
+    assert not torch.equal(w.grad, (g.bfloat16().T @ x.bfloat16()).float())
 
 
 def test_zero_rows_quantize_to_zero_without_nan():

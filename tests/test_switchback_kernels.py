@@ -79,10 +79,11 @@ def test_quantize_rows_of_a_transposed_view_is_column_wise(fp8):
 @pytest.mark.parametrize("shape", [(50, 70), (64, 128), (3, 200)])
 def test_quantize_tensor_writes_w_and_its_transpose(fp8, shape):
     w = operand(*shape, torch.float32)
-    q, qt, scale = kernels.quantize_tensor(w, fp8, transpose=True)
+    q, qt, row_scale, column_scale = kernels.quantize_tensor(w, fp8, transpose=True)
     want_q, want_scale = REFERENCE_QUANTIZER[fp8](w, None)
     assert torch.equal(as_bits(q), as_bits(want_q)) and torch.equal(as_bits(qt), as_bits(want_q.t().contiguous()))
-    assert torch.equal(scale.reshape(()), want_scale.reshape(()))
+    assert torch.equal(row_scale, want_scale.reshape(1, 1).expand(1, shape[0]))
+    assert torch.equal(column_scale, want_scale.reshape(1, 1).expand(1, shape[1]))
 
 
 @interpreted

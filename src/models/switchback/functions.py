@@ -77,31 +77,43 @@ def quantize_rows(
     return q, scale, x.float().sum(0) if column_sums else None
 
 
-def quantize_tensor(variant: Variant, backend: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One scale for `w`: (q, qᵀ, scale [1, 1]); the cuda backend writes qᵀ contiguous in the same pass."""
+def quantize_tensor(
+    variant: Variant, backend: str, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One scale for `w` [R, C]: (q, qᵀ, the scale as a [1, R] and a [1, C] vector, the forward's and the input
+    gradient's `scale_b`); the cuda backend writes qᵀ contiguous in the same pass."""
     if backend == "cuda":
         return kernels.quantize_tensor(w, variant.fp8, transpose=True)
     q, scale = (ref.quantize_fp8 if variant.fp8 else ref.quantize_int8)(w, None)
-    return q, q.t(), scale.reshape(1, 1)
+    return q, q.t(), scale.reshape(1, 1).expand(1, w.shape[0]), scale.reshape(1, 1).expand(1, w.shape[1])
 
 
 def low_precision_matmul(
     variant: Variant, backend: str, qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor,
     scale_b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool,
 ) -> torch.Tensor:
-    """(qa @ qb) dequantized by scale_a ([M, 1]) · scale_b ([1, N] or [1, 1]), plus bias. qb [K, N] is
+    """(qa @ qb) dequantized by scale_a ([M, 1]) · scale_b ([1, N]), plus bias. qb [K, N] is
     column-major (contiguous along K) where the callers can make it so for free: the 8-bit tensor cores read
     both operands along K. `fast_accum`: the fp8 tensor cores keep their partial sums at their own precision
     instead of promoting them to float32 periodically, cuBLAS's default (the reference sums exactly either way)."""
     if backend == "reference":
         matmul = ref.fp8_matmul_dequant if variant.fp8 else ref.int8_matmul_dequant
         return matmul(qa, scale_a, qb, scale_b, bias, out_dtype)
-    if variant.fp8:
-        scale_b = scale_b.expand(1, qb.shape[1]).contiguous()  # row-wise scaling wants [M, 1] and [1, N]
+    if variant.fp8:  # row-wise scaling: scale_a [M, 1], scale_b [1, N]
         bias = None if bias is None else bias.to(out_dtype)
         return torch._scaled_mm(qa, qb, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
     return kernels.int8_matmul(qa, scale_a, qb, scale_b, bias, out_dtype)
+
+
+def weight_gradient(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The switch back: Gᵀ X in the operands' 16 bits (or float32), returned in the weight's `dtype`. Under
+    autocast the weights are float32: then cuBLAS writes its float32 sums as they are, instead of rounding them
+    to bf16 for a cast back: faster on an H200, and no bf16 rounding (docs/BENCHMARKS.md). The reference sums the
+    same products in float32 (16-bit values are exact in float32), in its own order."""
+    if dtype == torch.float32 and g.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(g.t(), x, out_dtype=dtype) if g.is_cuda else g.t().float() @ x.float()
+    return (g.t() @ x).to(dtype)
 
 
 # The layer is a pair of torch.library custom ops, so torch.compile keeps a block with SwitchBack layers in one
@@ -133,8 +145,8 @@ def _forward(x, weight, bias, variant, backend, fast_accum):
     if v.weight_dim_forward is None:
         # Backward scales W the same way, so its quantized copy (1 byte per weight) is kept for it, laid out
         # as the input-gradient matmul reads it.
-        qw, qwt, sw = quantize_tensor(v, backend, weight)
-        saved_w = (qwt.contiguous(), sw)
+        qw, qwt, sw, sw_columns = quantize_tensor(v, backend, weight)
+        saved_w = (qwt.contiguous(), sw_columns.contiguous())
     else:
         qw, sw, _ = quantize_rows(v, backend, weight)
         sw, saved_w = sw.reshape(1, -1), _placeholders(x, 2)
@@ -149,7 +161,7 @@ def _(x, weight, bias, variant, backend, fast_accum):
     q_dtype = torch.float8_e4m3fn if v.fp8 else torch.int8
     (rows, inner), outputs = x.shape, weight.shape[0]
     saved_x = (x.new_empty(rows, inner, dtype=q_dtype), x.new_empty(rows, 1, dtype=torch.float32))
-    saved_w = (x.new_empty(inner, outputs, dtype=q_dtype), x.new_empty(1, 1, dtype=torch.float32))
+    saved_w = (x.new_empty(inner, outputs, dtype=q_dtype), x.new_empty(1, inner, dtype=torch.float32))
     return (x.new_empty(rows, outputs), *(saved_x if v.save_int8_input else _placeholders(x, 2)),
             *(saved_w if v.weight_dim_forward is None else _placeholders(x, 2)))
 
@@ -171,7 +183,7 @@ def _backward(grad, x, qx, sx, weight, qwt, sw, variant, backend, fast_accum, x_
             sw = sw.reshape(1, -1)
         grad_x = low_precision_matmul(v, backend, qg, sg, qwt.t(), sw, None, x_dtype, fast_accum)
     if need_weight:
-        grad_w = (g.t() @ x).to(weight_dtype)  # the switch back: 16-bit (or fp32) weight gradient
+        grad_w = weight_gradient(g, x, weight_dtype)
     if need_bias:
         grad_b = (g.float().sum(0) if column_sums is None else column_sums).to(weight_dtype)
     return tuple(grad.new_empty(0) if t is None else t for t in (grad_x, grad_w, grad_b))

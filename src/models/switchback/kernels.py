@@ -4,7 +4,8 @@
   column sums of the input (G's column sums are the bias gradient, so G is read once instead of twice).
 - `quantize_tensor`: W with one scale (an absmax pass with an atomic max, then a quantize pass), writing W
   and, on request, Wᵀ: the input-gradient matmul needs W with its output dimension contiguous, because
-  Hopper's 8-bit tensor-core instructions read both operands along the inner dimension.
+  Hopper's 8-bit tensor-core instructions read both operands along the inner dimension. The scale is written
+  once per row and once per column of W, the vectors cuBLAS's row-wise scaled matmuls take.
 - `int8_matmul`: int8 × int8 → int32 tiles, dequantized by the row and column scales and biased in the
   epilogue, so the int32 product never goes to memory.
 
@@ -34,7 +35,7 @@ except ImportError:
 from src.models.switchback.reference import FP8_DTYPE
 from src.triton_interpreter import interpreting
 
-_ROWS_PER_PROGRAM = 32  # rows one program quantizes when it also sums columns: the rows behind each partial sum
+_ROWS_PER_PROGRAM = 64  # rows one program quantizes when it also sums columns: the rows behind each partial sum
 _TILE = 64  # square tiles of the tensor-wise quantizer
 
 
@@ -114,7 +115,9 @@ if triton is not None:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)
         colsum = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for start in range(0, ROWS, BLOCK_R):
+        # Software-pipelined: the next rows load while these are reduced and stored (1.2-1.5x faster with column
+        # sums, where a program walks many rows; docs/BENCHMARKS.md).
+        for start in tl.range(0, ROWS, BLOCK_R, num_stages=3):
             rows = pid.to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
             mask = (rows[:, None] < R) & (cols[None, :] < C)
             x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
@@ -135,7 +138,7 @@ if triton is not None:
 
     @triton.jit
     def _quantize_tensor_kernel(
-        x_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, R, C,
+        x_ptr, amax_ptr, q_ptr, qt_ptr, row_scale_ptr, column_scale_ptr, R, C,
         TILE: tl.constexpr, FP8: tl.constexpr, TRANSPOSE: tl.constexpr,
     ):
         rows = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -151,8 +154,11 @@ if triton is not None:
             mask_t = (cols[:, None] < C) & (rows[None, :] < R)
             xt = tl.load(x_ptr + rows[None, :] * C + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
             tl.store(qt_ptr + cols[:, None] * R + rows[None, :], _quantize_values(xt, amax, FP8), mask=mask_t)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, _dequantize_scale(amax, FP8))
+        scale = _dequantize_scale(amax, FP8) + tl.zeros((TILE,), dtype=tl.float32)
+        if tl.program_id(1) == 0:
+            tl.store(row_scale_ptr + rows, scale, mask=rows < R)
+        if tl.program_id(0) == 0:
+            tl.store(column_scale_ptr + cols, scale, mask=cols < C)
 
     def _matmul_configs(pre_hook=None):
         """The int8 matmuls' autotuning space; `pre_hook` adapts per-config state (the TMA boxes)."""
@@ -277,8 +283,9 @@ def quantize_rows(
 
 def quantize_tensor(
     x: torch.Tensor, fp8: bool, transpose: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Tensor-wise quantization of a contiguous 2-D tensor: (q, qᵀ contiguous or None, scale [1, 1])."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Tensor-wise quantization of a contiguous 2-D tensor [R, C]: (q, qᵀ contiguous or None, the scale repeated
+    per row [1, R], and per column [1, C]). The vectors save the scaled matmuls a copy each."""
     require_triton()
     rows, cols = x.shape
     x = x.contiguous()
@@ -287,11 +294,12 @@ def quantize_tensor(
     _absmax_kernel[(triton.cdiv(x.numel(), block),)](x, amax, x.numel(), BLOCK=block, num_warps=8)
     q = torch.empty((rows, cols), dtype=_quantized_dtype(fp8), device=x.device)
     qt = torch.empty((cols, rows), dtype=q.dtype, device=x.device) if transpose else None
-    scale = torch.empty((1, 1), dtype=torch.float32, device=x.device)
+    row_scale = torch.empty((1, rows), dtype=torch.float32, device=x.device)
+    column_scale = torch.empty((1, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-    _quantize_tensor_kernel[grid](x, amax, q, q if qt is None else qt, scale, rows, cols, TILE=_TILE, FP8=fp8,
-                                  TRANSPOSE=transpose)
-    return q, qt, scale
+    _quantize_tensor_kernel[grid](x, amax, q, q if qt is None else qt, row_scale, column_scale, rows, cols,
+                                  TILE=_TILE, FP8=fp8, TRANSPOSE=transpose)
+    return q, qt, row_scale, column_scale
 
 
 def int8_matmul(
