@@ -4,7 +4,9 @@ parallelize): regional compilation of the transformer blocks, and FSDP2 sharding
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,25 @@ def apply_compile(model: nn.Module) -> int:
     the whole model; the fusions that pay (LayerNorm, bias, GELU, layer-scale and residual adds) all live
     inside a block."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    tag_compile_caches()
     compiled = blocks(model)
     for block in compiled:
         block.compile()
     return len(compiled)
+
+
+def tag_compile_caches() -> None:
+    """Add a digest of the model code to the key of torch.compile's on-disk caches. They key a compiled graph on
+    the graph, which names our custom ops but not their fake implementations: after an edit changes the shape an
+    op's fake gives an output, a warm cache would replay code asserting the old shape (a failed
+    `assert_size_stride`). A user's own `torch.compiler.config.cache_key_tag` is kept."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    tag = f"stableclip-models-{digest.hexdigest()[:16]}"
+    tags = [t for t in torch.compiler.config.cache_key_tag.split(",") if t and not t.startswith("stableclip-models-")]
+    torch.compiler.config.cache_key_tag = ",".join([*tags, tag])
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
