@@ -277,15 +277,16 @@ def test_compiled_clip_runs_every_kind_of_block_call_compiled(monkeypatch):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-def test_compile_cache_key_carries_the_model_code_and_keeps_the_users_tag(monkeypatch):
+def test_compile_cache_key_carries_the_model_code_and_keeps_the_users_tag():
     """Inductor's caches do not see our custom ops' fake implementations: a digest of the model code joins their
     key, so a cache written before an edit is not replayed after it."""
     from src.models.parallelize import tag_compile_caches
 
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    tag_compile_caches()
-    first = torch.compiler.config.cache_key_tag
-    tag_compile_caches()
-    assert first == torch.compiler.config.cache_key_tag
+    # Not monkeypatch: its undo deletes the attribute, which hides the config key from later tests.
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        tag_compile_caches()
+        first = torch.compiler.config.cache_key_tag
+        tag_compile_caches()
+        assert first == torch.compiler.config.cache_key_tag
     mine, ours = first.split(",")
     assert mine == "mine" and ours.startswith("stableclip-models-") and len(ours) == len("stableclip-models-") + 16
