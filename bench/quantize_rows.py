@@ -48,7 +48,7 @@ def _quantize_rows_split_kernel(x_ptr, q_ptr, scale_ptr, colsum_ptr, R, C, strid
     cols_b = BLOCK_A + tl.arange(0, BLOCK_B)
     sum_a = tl.zeros((BLOCK_A,), tl.float32)
     sum_b = tl.zeros((BLOCK_B,), tl.float32)
-    for start in range(0, ROWS, BLOCK_R):
+    for start in tl.range(0, ROWS, BLOCK_R, num_stages=3):  # pipelined as main's kernel is
         rows = tl.program_id(0).to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
         in_rows = rows[:, None] < R
         xa = tl.load(x_ptr + rows[:, None] * stride_r + cols_a[None, :], mask=in_rows, other=0.0).to(tl.float32)
