@@ -2,7 +2,7 @@
 shapes of the throughput benchmark, taking turns in the same rounds:
 
 - `exact`: F.gelu(h), as our blocks run it with `model.gelu=erf`;
-- `rational`: the same GELU with Φ from a rational fit of erf (`model.gelu=rational`, src/models/gelu.py);
+- `rational`: the same GELU with Φ from a rational fit of erf (`model.gelu=rational`, src/kernels/gelu.py);
 - `tanh`: F.gelu(h, approximate="tanh"), the same bytes with cheaper arithmetic;
 - `square`: h * h, the same bytes (its gradient 2·h·dg reads h too) with almost no arithmetic: what the memory
   allows.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
-from src.models.gelu import rational_gelu  # noqa: E402
+from src.kernels.gelu import rational_gelu  # noqa: E402
 
 # (what, tokens, hidden): the MLP's hidden activations at the throughput benchmark's batches
 SHAPES = [("ViT-B/32 image tower", 1024 * 50, 3072), ("ViT-B/32 text tower", 1024 * 77, 2048),

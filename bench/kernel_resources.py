@@ -7,9 +7,9 @@ per SM (an SM holds 65,536 registers).
     python bench/kernel_resources.py --residual-norm [--configs 32,8,3 32,4,1] [--widths 768 1280]
     python bench/kernel_resources.py --gelu
 
-Tiled attention (src/models/tiled_attention.py, the default): a config is BLOCK,WARPS,STAGES[,STEP] as in
+Tiled attention (src/kernels/attention/tiled.py, the default): a config is BLOCK,WARPS,STAGES[,STEP] as in
 bench/short_attention.py --tiled-configs (STAGES 0: the module's default for the head size). Residual norm
-(src/models/residual_norm.py, `--residual-norm`, a bf16 branch output): a config is ROWS,WARPS[,STAGES] as in
+(src/kernels/residual_norm.py, `--residual-norm`, a bf16 branch output): a config is ROWS,WARPS[,STAGES] as in
 bench/residual_norm.py --configs.
 
 Every row also counts the kernel's SASS instructions. `--gelu` compiles element-wise GELU kernels written here for
@@ -40,7 +40,8 @@ from triton.language.extra import libdevice
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from src.models import residual_norm, tiled_attention  # noqa: E402
+from src.kernels import residual_norm  # noqa: E402
+from src.kernels.attention import tiled as tiled_attention  # noqa: E402
 
 ATTENTION_POINTERS = {"qkv": "*bf16", "out": "*bf16", "grad_out": "*bf16", "grad_qkv": "*bf16", "lse": "*fp32",
                       "delta": "*fp32"}
@@ -130,7 +131,7 @@ def _cdf(z, FORM: tl.constexpr):
     if FORM == "erf":
         return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
     half_erfc = 0.0
-    if FORM == "rational" or FORM == "rational_expf":  # src/models/gelu.py: A&S 7.1.26; its exp is the density's
+    if FORM == "rational" or FORM == "rational_expf":  # src/kernels/gelu.py: A&S 7.1.26; its exp is the density's
         t = 1.0 / (1.0 + 0.3275911 * 0.7071067811865476 * tl.abs(z))
         p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
         half_erfc = 0.5 * p * _density_exp(z, FORM)

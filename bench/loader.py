@@ -6,7 +6,7 @@
 
 1. Builds (once, cached under --out-dir) a shard set of real-sized JPEGs: scikit-image's colour sample
    photographs, randomly cropped, flipped and resized to 512-1024 px on the long side (--long-side; fixed
-   seed), saved as JPEG quality 90 with a caption each, and packed by our `src.data.shard_writer.make_shards`.
+   seed), saved as JPEG quality 90 with a caption each, and packed by our `src.tools.shard_writer.make_shards`.
    Both loaders read these very same tar files.
 2. Measures images/s of
    - ours: `TrainLoader` (epoch mode, single rank, image_size 224, context_length 77, --shuffle-buffer);
@@ -77,7 +77,7 @@ from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E
 from src.config import DataConfig  # noqa: E402
 from src.data.image_text import decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
-from src.data.shard_writer import Row, make_shards  # noqa: E402
+from src.tools.shard_writer import Row, make_shards  # noqa: E402
 
 try:
     import pandas  # noqa: F401

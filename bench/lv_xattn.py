@@ -39,11 +39,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from src.models import lv_xattn as lv_module
-from src.models import ring_xattn as ring_module
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
-from src.models.xattn_comm import shard_lengths
-from src.models.xattn_core import block_backward, block_forward
+from src.parallel.xattn import lv as lv_module
+from src.parallel.xattn import ring as ring_module
+from src.parallel.xattn.comm import shard_lengths
+from src.parallel.xattn.core import block_backward, block_forward
 
 IMPLS = {  # name -> (block impl, q_sharded, byte counter)
     "local": ("local", False, None),
@@ -115,7 +115,7 @@ def bandwidth_gbps(device: torch.device, nbytes: int, budget_s: float) -> float:
 
 
 def ring_ms(compute_ms: float, message: int, accumulator: int, world: int, bw: float) -> float:
-    """The ring pass of src.models.xattn_comm: step t computes 1/P of the work while the next message (steps
+    """The ring pass of src.parallel.xattn.comm: step t computes 1/P of the work while the next message (steps
     t < P-1) and the previous accumulator (steps t >= 2) are in flight; the last accumulator hop is exposed."""
     step = compute_ms / world
     transfer = lambda t: ((message if t < world - 1 else 0) + (accumulator if t >= 2 else 0)) / bw / 1e6

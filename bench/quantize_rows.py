@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton.language as tl  # noqa: E402
 
 from bench.switchback import interleaved_ms  # noqa: E402
-from src.models.switchback import kernels  # noqa: E402
+from src.kernels.switchback import kernels  # noqa: E402
 
 WIDTHS = (1280, 3840, 5120)
 

@@ -1,5 +1,5 @@
 """A residual add and the LayerNorm after it, x1 = x + γ·a and y = LayerNorm(x1), forward + backward, one
-H200: the same ops compiled by TorchInductor against our fused kernels (src/models/residual_norm.py), taking
+H200: the same ops compiled by TorchInductor against our fused kernels (src/kernels/residual_norm.py), taking
 turns in the same rounds, at both towers' shapes.
 
     python bench/residual_norm.py [--iters 10] [--rounds 3] [--configs 32,4 16,8,2 ...]
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
-from src.models import residual_norm as rn  # noqa: E402
+from src.kernels import residual_norm as rn  # noqa: E402
 
 # (what, tokens, width): both towers at the throughput benchmark's batches
 SHAPES = [("ViT-B/32 image tower", 1024 * 50, 768), ("ViT-L/14 image tower", 256 * 257, 1024),

@@ -25,9 +25,9 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.switchback import interleaved_ms  # noqa: E402
-from src.models import short_attention as short_attention_module  # noqa: E402
-from src.models import tiled_attention  # noqa: E402
-from src.models.short_attention import MAX_LENGTH, short_attention  # noqa: E402
+from src.kernels.attention import short as short_attention_module  # noqa: E402
+from src.kernels.attention import tiled as tiled_attention  # noqa: E402
+from src.kernels.attention.short import MAX_LENGTH, short_attention  # noqa: E402
 from src.models.transformer import sdpa_attention  # noqa: E402
 
 # (what, batch, tokens, heads, head size, causal)

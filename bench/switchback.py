@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from src.models.switchback import VARIANTS, kernels, switchback_linear
-from src.models.switchback.functions import quantize_rows, quantize_tensor
+from src.kernels.switchback import VARIANTS, kernels, switchback_linear
+from src.kernels.switchback.functions import quantize_rows, quantize_tensor
 
 SHAPES = {"qkv 1280->3840": (1280, 3840), "fc1 1280->5120": (1280, 5120), "fc2 5120->1280": (5120, 1280)}
 

@@ -20,8 +20,8 @@ caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the 
 CPU ops, which slow the host). `--device cpu` makes it a smoke test.
 
 A `--set` may also hold `py:MODULE.NAME=VALUE` tokens: module-level settings that are not config keys (kernel
-launch settings such as `py:src.models.residual_norm.WARPS=4`, `auto`'s thresholds such as
-`py:src.models.short_attention.AUTO_MAX_LENGTH=64`), set for that configuration only and put back after it. A
+launch settings such as `py:src.kernels.residual_norm.WARPS=4`, `auto`'s thresholds such as
+`py:src.kernels.attention.short.AUTO_MAX_LENGTH=64`), set for that configuration only and put back after it. A
 change to such a setting can then be timed against the default in one process, without a branch.
 """
 
@@ -50,10 +50,10 @@ sys.path.insert(0, ROOT)
 
 from src.config import register_configs  # noqa: E402
 from src.data.loader import default_num_workers  # noqa: E402
-from src.data.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.models.clip import build_model  # noqa: E402
+from src.parallel.distributed import DistInfo  # noqa: E402
+from src.tools.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
-from src.trainer.distributed import DistInfo  # noqa: E402
 from src.trainer.loss import clip_loss  # noqa: E402
 from src.trainer.trainer import Trainer  # noqa: E402
 
@@ -258,7 +258,7 @@ def module_settings(assignments: list[str]):
             module_name, _, name = target.rpartition(".")
             if not equals or not module_name:
                 raise ValueError(f"{MODULE_SETTING}{assignment!r} is not MODULE.NAME=VALUE, e.g. "
-                                 f"{MODULE_SETTING}src.models.residual_norm.WARPS=4")
+                                 f"{MODULE_SETTING}src.kernels.residual_norm.WARPS=4")
             module = importlib.import_module(module_name)
             if not hasattr(module, name):
                 raise ValueError(f"{MODULE_SETTING}{assignment!r}: {module_name} has no {name!r}")

@@ -26,8 +26,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from src.models.short_attention import _dot  # noqa: E402
-from src.models.switchback.kernels import _grouped_tile, _persistent_programs  # noqa: E402
+from src.kernels.attention.short import _dot  # noqa: E402
+from src.kernels.switchback.kernels import _grouped_tile, _persistent_programs  # noqa: E402
 
 # (what, tokens, width, hidden): fc1 of the image towers at the throughput benchmark's batch
 SHAPES = [("ViT-L/14 fc1", 256 * 257, 1024, 4096), ("ViT-H/14 fc1", 256 * 257, 1280, 5120)]

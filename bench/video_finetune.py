@@ -36,7 +36,7 @@ from src.config import ModelConfig  # noqa: E402
 from src.data.image_text import ImageNormalizer  # noqa: E402
 from src.models.cross_attention import ENGINES  # noqa: E402
 from src.models.video_clip import build_video_model  # noqa: E402
-from src.trainer.mesh import Mesh  # noqa: E402
+from src.parallel.mesh import Mesh  # noqa: E402
 from src.trainer.video_trainer import video_text_loss  # noqa: E402
 
 IMPLS = ("lv_xattn", "ring")

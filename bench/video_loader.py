@@ -25,7 +25,7 @@
        has that path; if it has not, (b) falls back to `seek_decode` on the tar's bytes inside our loader, and
        the output says so (`b_decoder`). Shards are contiguous runs of the video list, by default one per
        worker of the largest --workers (each reader then gets one shard, with as many 360p as 720p clips).
-   (c) packed frames: `src.data.video_pack.pack_videos` shards of K JPEG frames per clip (short side
+   (c) packed frames: `src.tools.video_pack.pack_videos` shards of K JPEG frames per clip (short side
        --short-side), read by our `TrainLoader` with frames=T.
    All decoders run one thread: PyAV's decoder gets thread_count=1 (its default, all cores, has deadlocked
    next to DataLoader workers: docs practices.md), torch gets 1 intra-op thread in the main process, and
@@ -82,9 +82,9 @@ from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E
 from src.config import DataConfig  # noqa: E402
 from src.data.image_text import crop, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
-from src.data.shard_writer import read_captions, shard_pattern  # noqa: E402
-from src.data.video_pack import pack_videos  # noqa: E402
 from src.data.video_text import segment_times  # noqa: E402
+from src.tools.shard_writer import read_captions, shard_pattern  # noqa: E402
+from src.tools.video_pack import pack_videos  # noqa: E402
 
 DATA_VERSION = 2  # bump when the generated videos change, so old caches are not reused
 FPS = 30

@@ -13,8 +13,8 @@ import argparse
 import json
 import os
 
-from src.data.shard_inspect import inspect_shards
 from src.data.shards import expand_shards, is_local
+from src.tools.shard_inspect import inspect_shards
 
 SHOWN_PROBLEMS = 50
 # Above this many shards the table lists only the shards with problems.

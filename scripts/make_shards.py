@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from src.data.shard_writer import MAX_SHARD_SIZE, InputError, make_shards, read_captions
+from src.tools.shard_writer import MAX_SHARD_SIZE, InputError, make_shards, read_captions
 
 SHOWN_FAILURES = 20
 

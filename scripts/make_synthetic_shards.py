@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from src.data.synthetic_shapes import CLASSES, make_synthetic_shapes
+from src.tools.synthetic_shapes import CLASSES, make_synthetic_shapes
 
 
 def main(argv: list[str] | None = None) -> int:

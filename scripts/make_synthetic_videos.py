@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from src.data.synthetic_videos import make_synthetic_videos
+from src.tools.synthetic_videos import make_synthetic_videos
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ import argparse
 import os
 import sys
 
-from src.data.shard_writer import InputError, read_captions
-from src.data.video_pack import pack_videos
+from src.tools.shard_writer import InputError, read_captions
+from src.tools.video_pack import pack_videos
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.config import TrainConfig, register_configs
-from src.data.synthetic_shapes import make_synthetic_shapes
+from src.tools.synthetic_shapes import make_synthetic_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

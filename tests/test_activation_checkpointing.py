@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from src.models import build_model
 from src.models.clip import CLIP
 from src.models.cross_attention import saved_activation_bytes
-from src.models.parallelize import apply_compile
 from src.models.transformer import Block
+from src.parallel.parallelize import apply_compile
 from src.trainer.loss import clip_loss
 from tests.conftest import compose_config
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from interpreter_harness import INTERPRETED, ROOT, interpreted, run_under_interpreter
 
-from src.models import short_attention as sa
-from src.models import tiled_attention as ta
+from src.kernels.attention import short as sa
+from src.kernels.attention import tiled as ta
 from src.models.transformer import Attention, Transformer, sdpa_attention, set_attention_backend
 
 pytest.importorskip("triton")

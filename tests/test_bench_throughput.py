@@ -14,13 +14,13 @@ def test_throughput_bench_smoke_run(tmp_path):
                "--steps", "2", "--warmup", "1", "--end-to-end", "--samples", "64",
                "--e2e-warmup-seconds", "0", "--e2e-seconds", "0",
                "--shards-dir", str(tmp_path / "shards"), "--json", str(out),
-               "--set", "trainer.log_every=1 py:src.models.residual_norm.ROWS=16"]
+               "--set", "trainer.log_every=1 py:src.kernels.residual_norm.ROWS=16"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [row["end_to_end"] for row in rows] == [False, True]
-    assert all(row["overrides"] == ["trainer.log_every=1", "py:src.models.residual_norm.ROWS=16"] for row in rows)
+    assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)
     for row in rows:
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
 
@@ -41,22 +41,23 @@ def test_module_settings_hold_for_one_configuration_and_refuse_typos():
     back after it, also when the block fails; a name the module lacks, or a value that is not a literal, is refused
     before the block runs, and the settings already made are put back."""
     from bench.throughput import module_settings
-    from src.models import residual_norm, short_attention
+    from src.kernels import residual_norm
+    from src.kernels.attention import short as short_attention
 
     default_warps, default_stages = residual_norm.WARPS, residual_norm.STAGES
     default_length = short_attention.AUTO_MAX_LENGTH
-    with module_settings(["src.models.residual_norm.WARPS=2", "src.models.short_attention.AUTO_MAX_LENGTH=64"]):
+    with module_settings(["src.kernels.residual_norm.WARPS=2", "src.kernels.attention.short.AUTO_MAX_LENGTH=64"]):
         assert (residual_norm.WARPS, short_attention.AUTO_MAX_LENGTH) == (2, 64)
     assert (residual_norm.WARPS, short_attention.AUTO_MAX_LENGTH) == (default_warps, default_length)
-    with pytest.raises(RuntimeError, match="inside"), module_settings(["src.models.residual_norm.WARPS=2"]):
+    with pytest.raises(RuntimeError, match="inside"), module_settings(["src.kernels.residual_norm.WARPS=2"]):
         raise RuntimeError("inside")
     assert residual_norm.WARPS == default_warps
-    with pytest.raises(ValueError, match="src.models.residual_norm has no 'WARP'"):
-        with module_settings(["src.models.residual_norm.STAGES=1", "src.models.residual_norm.WARP=2"]):
+    with pytest.raises(ValueError, match="src.kernels.residual_norm has no 'WARP'"):
+        with module_settings(["src.kernels.residual_norm.STAGES=1", "src.kernels.residual_norm.WARP=2"]):
             pass
     assert residual_norm.STAGES == default_stages  # the first assignment was put back
     with pytest.raises(ValueError, match="'eight' is not a Python literal"):
-        with module_settings(["src.models.residual_norm.WARPS=eight"]):
+        with module_settings(["src.kernels.residual_norm.WARPS=eight"]):
             pass
     with pytest.raises(ValueError, match="is not MODULE.NAME=VALUE"):
         with module_settings(["WARPS=2"]):

@@ -5,9 +5,9 @@ step; and the refusals. The real capture is checked on the GPU: tests/gpu/test_c
 import pytest
 import torch
 
+from src.parallel.distributed import DistInfo
 from src.trainer import cuda_graph
 from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
-from src.trainer.distributed import DistInfo
 from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
 from tests.conftest import compose_config, data_overrides

@@ -12,7 +12,7 @@ from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
-from src.data.synthetic_shapes import draw_sample, where
+from src.tools.synthetic_shapes import draw_sample, where
 
 
 def data_config(shards: str | None, batch_size: int, num_workers: int, shuffle_buffer: int = 50, **kw) -> DataConfig:

@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from src.models import build_model
-from src.trainer.distributed import all_reduce_mean
+from src.parallel.distributed import all_reduce_mean
 from src.trainer.loss import clip_loss
 from tests.conftest import data_overrides, run_train
 from tests.test_model import tiny_config

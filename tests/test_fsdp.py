@@ -13,12 +13,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from src.models.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import DynamicScaler, NoScaler
 from src.optim.stable_adamw import StableAdamW
-from src.trainer.distributed import DistInfo
+from src.parallel.distributed import DistInfo
+from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer.loss import clip_loss
 from src.trainer.trainer import Trainer
 from src.trainer.video_trainer import VideoTrainer

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from src.kernels.gelu import GELU, _cdf_and_density, _RationalGELU, rational_gelu
 from src.models.clip import build_model
-from src.models.gelu import GELU, _cdf_and_density, _RationalGELU, rational_gelu
 from src.models.transformer import set_gelu
 from tests.conftest import compose_config
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.models import lv_xattn as lv_module
-from src.models import ring_xattn as ring_module
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
-from src.models.xattn_comm import ShardLengths, shard_lengths
-from src.models.xattn_core import cross_attention_reference, merge_partials, visible_keys
+from src.parallel.xattn import lv as lv_module
+from src.parallel.xattn import ring as ring_module
+from src.parallel.xattn.comm import ShardLengths, shard_lengths
+from src.parallel.xattn.core import cross_attention_reference, merge_partials, visible_keys
 
 # Keyed by the layer's impl names, so that every op case and layer case runs for each.
 OPS = {

@@ -247,7 +247,7 @@ def test_compiled_clip_runs_every_kind_of_block_call_compiled(monkeypatch):
     training and evaluation, all stay within Dynamo's recompile limit (past it they would quietly run eager), with
     eager's results. Dynamo's graphs and guards are what count here, so its eager backend stands in for Inductor
     (other tests compare Inductor's code with eager)."""
-    from src.models.parallelize import apply_compile
+    from src.parallel.parallelize import apply_compile
 
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
@@ -280,7 +280,7 @@ def test_compiled_clip_runs_every_kind_of_block_call_compiled(monkeypatch):
 def test_compile_cache_key_carries_the_model_code_and_keeps_the_users_tag():
     """Inductor's caches do not see our custom ops' fake implementations: a digest of the model code joins their
     key, so a cache written before an edit is not replayed after it."""
-    from src.models.parallelize import tag_compile_caches
+    from src.parallel.parallelize import tag_compile_caches
 
     # Not monkeypatch: its undo deletes the attribute, which hides the config key from later tests.
     with torch.compiler.config.patch(cache_key_tag="mine"):

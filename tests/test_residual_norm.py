@@ -1,4 +1,4 @@
-"""The fused residual + LayerNorm (src/models/residual_norm.py) against PyTorch's ops in float64, forward and
+"""The fused residual + LayerNorm (src/kernels/residual_norm.py) against PyTorch's ops in float64, forward and
 backward, on the CPU through Triton's interpreter (tests/interpreter_harness.py says how)."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
 
-from src.models import residual_norm as rn
+from src.kernels import residual_norm as rn
 from src.models.transformer import Transformer, set_residual_norm
 
 pytest.importorskip("triton")
@@ -237,7 +237,7 @@ def test_compiled_chained_blocks_share_one_graph_and_match_eager():
     """train.py's regional compilation of a chained tower: every block takes its neighbour's norm parameters as
     inputs and still runs the one compiled graph (a recompile per block would exhaust Dynamo's cache and fall
     back to eager), with the eager chain's output and gradients."""
-    from src.models.parallelize import apply_compile
+    from src.parallel.parallelize import apply_compile
 
     def run(tower: Transformer, final_norm: torch.nn.LayerNorm) -> list[torch.Tensor]:
         x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)

@@ -16,9 +16,9 @@ from PIL import Image
 
 from src.config import DataConfig
 from src.data.loader import TrainLoader
-from src.data.shard_inspect import inspect_shards
-from src.data.shard_writer import InputError, encode_image, make_shards, read_captions
 from src.data.shards import expand_shards
+from src.tools.shard_inspect import inspect_shards
+from src.tools.shard_writer import InputError, encode_image, make_shards, read_captions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD = {"corrupt.jpg": "failed_to_decode", "truncated.jpg": "failed_to_decode", "missing.jpg": "failed_to_read"}

@@ -4,10 +4,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
+from src.kernels.switchback import VARIANTS, SwitchBackLinear, convert_to_switchback, functions, switchback_linear
 from src.models import build_model
-from src.models.parallelize import apply_compile
-from src.models.switchback import VARIANTS, SwitchBackLinear, convert_to_switchback, functions, switchback_linear
 from src.models.transformer import Attention
+from src.parallel.parallelize import apply_compile
 from tests.test_model import tiny_config
 
 INT8 = ["switchback_int8", "switchback_int8_memeff", "switchback_int8_vectorwise"]

@@ -6,11 +6,11 @@ import pytest
 import torch
 from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
 
-from src.models.switchback import reference as ref
-from src.models.switchback import switchback_linear
+from src.kernels.switchback import reference as ref
+from src.kernels.switchback import switchback_linear
 
 pytest.importorskip("triton")
-from src.models.switchback import kernels  # noqa: E402  (needs triton)
+from src.kernels.switchback import kernels  # noqa: E402  (needs triton)
 
 REFERENCE_QUANTIZER = {False: ref.quantize_int8, True: ref.quantize_fp8}
 

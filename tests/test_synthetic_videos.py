@@ -6,7 +6,7 @@ import av
 import numpy as np
 import pytest
 
-from src.data.synthetic_videos import DIRECTIONS, make_synthetic_videos
+from src.tools.synthetic_videos import DIRECTIONS, make_synthetic_videos
 from tests.conftest import ROOT
 
 

@@ -16,11 +16,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.config import DataConfig, VideoConfig
 from src.data.loader import TrainLoader
-from src.data.synthetic_videos import DIRECTIONS, make_synthetic_video_shards
 from src.models.video_clip import VideoCLIP, build_video_model
+from src.parallel.distributed import all_gather_with_grad
+from src.parallel.mesh import Mesh
+from src.tools.synthetic_videos import DIRECTIONS, make_synthetic_video_shards
 from src.trainer.checkpoint import save_checkpoint
-from src.trainer.distributed import all_gather_with_grad
-from src.trainer.mesh import Mesh
 from src.trainer.pretrained import load_pretrained
 from src.trainer.video_trainer import video_text_loss
 from tests.conftest import ROOT, run_train

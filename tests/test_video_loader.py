@@ -9,10 +9,10 @@ from PIL import Image
 
 from src.config import DataConfig
 from src.data.loader import TrainLoader, eval_batches
-from src.data.shard_writer import read_captions
-from src.data.synthetic_videos import make_synthetic_videos
-from src.data.video_pack import pack_videos
 from src.data.video_text import TooFewFrames, decode_clip, segment_indices
+from src.tools.shard_writer import read_captions
+from src.tools.synthetic_videos import make_synthetic_videos
+from src.tools.video_pack import pack_videos
 
 
 @pytest.fixture(scope="module")

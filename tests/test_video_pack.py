@@ -13,9 +13,9 @@ from PIL import Image
 
 from src.config import DataConfig
 from src.data.loader import TrainLoader
-from src.data.shard_writer import read_captions
-from src.data.synthetic_videos import make_synthetic_videos
-from src.data.video_pack import pack_videos
+from src.tools.shard_writer import read_captions
+from src.tools.synthetic_videos import make_synthetic_videos
+from src.tools.video_pack import pack_videos
 from tests.conftest import ROOT
 
 

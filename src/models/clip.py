@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config import ModelConfig
-from src.models.switchback.convert import check_linear_choice, convert_to_switchback
+from src.kernels.switchback.convert import check_linear_choice, convert_to_switchback
 from src.models.transformer import Transformer, set_attention_backend, set_gelu, set_residual_norm
 from src.models.vision import VisionTransformer
 

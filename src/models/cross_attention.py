@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from src.models.lv_xattn import LV_XATTN, LV_XATTN_GATHER
-from src.models.ring_xattn import RING_XATTN
 from src.models.transformer import LayerScale
-from src.models.xattn_comm import ShardLengths, XAttnEngine, XAttnFunction, make_layout
+from src.parallel.xattn.comm import ShardLengths, XAttnEngine, XAttnFunction, make_layout
+from src.parallel.xattn.lv import LV_XATTN, LV_XATTN_GATHER
+from src.parallel.xattn.ring import RING_XATTN
 
 ENGINES = {"lv_xattn": LV_XATTN, "lv_xattn_gather": LV_XATTN_GATHER, "ring": RING_XATTN, "local": LV_XATTN}
 T = TypeVar("T")

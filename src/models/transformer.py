@@ -20,11 +20,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from src.models import gelu, residual_norm, short_attention, tiled_attention
-from src.models.autocast import autocast_dtype
-from src.models.gelu import GELU
-from src.models.switchback.convert import SwitchBackLinear
-from src.models.switchback.functions import switchback_linear
+from src.kernels import gelu, residual_norm
+from src.kernels.attention import short as short_attention
+from src.kernels.attention import tiled as tiled_attention
+from src.kernels.autocast import autocast_dtype
+from src.kernels.gelu import GELU
+from src.kernels.switchback.convert import SwitchBackLinear
+from src.kernels.switchback.functions import switchback_linear
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
@@ -202,7 +204,7 @@ def set_residual_norm(module: nn.Module, mode: str) -> None:
 
 
 def set_gelu(module: nn.Module, form: str) -> None:
-    """model.gelu: how every GELU of `module` evaluates Φ (one of gelu.FORMS; src/models/gelu.py)."""
+    """model.gelu: how every GELU of `module` evaluates Φ (one of gelu.FORMS; src/kernels/gelu.py)."""
     _set_on_modules(module, GELU, "form", "gelu", form, gelu.FORMS)
 
 

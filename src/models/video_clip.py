@@ -39,7 +39,7 @@ from src.config import ModelConfig, VideoConfig
 from src.models.clip import CLIP, build_model, end_of_text
 from src.models.cross_attention import CrossAttentionBlock
 from src.models.transformer import LayerScale
-from src.models.xattn_comm import ShardLengths
+from src.parallel.xattn.comm import ShardLengths
 
 HEADS = ("xattn", "mean")
 FRAME_TOKENS = ("patches", "cls", "mean")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from src.optim.sharded import local, whole_norms
+from src.parallel.sharded_norms import local, whole_norms
 
 
 def clip_grad_norm(

@@ -8,10 +8,10 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from src.optim.sharded import local, whole_norms
+from src.kernels.triton_interpreter import interpreting
 from src.optim.stable_adamw import StableAdamW
 from src.optim.stable_adamw_triton import fused_adamw_rms, triton_available
-from src.triton_interpreter import interpreting
+from src.parallel.sharded_norms import local, whole_norms
 
 
 def update_rms(optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], torch.Tensor] | None:

@@ -21,7 +21,7 @@ path launches a few kernels per tensor and is launch-bound on the GPU; the fused
 bucket.
 
 FSDP2-sharded (DTensor) parameters update their local shards, while the RMS and the non-finite check are those
-of the whole tensor (src/optim/sharded.py), so every rank clips and skips alike. The fused kernels reduce over
+of the whole tensor (src/parallel/sharded_norms.py), so every rank clips and skips alike. The fused kernels reduce over
 a local shard only, so sharded parameters take the foreach path.
 """
 
@@ -34,8 +34,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from src.optim.sharded import all_finite, local, sum_over_shards, whole_norms
 from src.optim.stable_adamw_triton import fused_stable_adamw_step, triton_available
+from src.parallel.sharded_norms import all_finite, local, sum_over_shards, whole_norms
 
 
 class StableAdamW(Optimizer):

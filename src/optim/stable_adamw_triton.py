@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from src.triton_interpreter import interpreting
+from src.kernels.triton_interpreter import interpreting
 
 try:
     import triton

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
+from src.parallel.distributed import any_rank, barrier, broadcast_object
 from src.trainer import faults
-from src.trainer.distributed import any_rank, barrier, broadcast_object
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DEBRIS = re.compile(r"^step_\d+\.(tmp|deleting)$")  # left by a save or a prune that was killed

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from src.trainer.distributed import all_gather_with_grad
+from src.parallel.distributed import all_gather_with_grad
 
 
 def _local_labels(rows: int, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:

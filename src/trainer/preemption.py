@@ -21,7 +21,7 @@ import sys
 import threading
 
 from src.data.loader import STOP_SIGNALS
-from src.trainer.distributed import any_rank
+from src.parallel.distributed import any_rank
 
 
 class Preemption:

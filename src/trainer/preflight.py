@@ -7,11 +7,11 @@ import os
 
 from src.config import ModelConfig, TrainConfig
 from src.data.loader import check_batch_size
-from src.models.switchback.convert import check_linear_choice
+from src.kernels.switchback.convert import check_linear_choice
 from src.optim.factory import check_optimizer_name
+from src.parallel.distributed import DistInfo
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
-from src.trainer.distributed import DistInfo
 
 DATA_PARALLEL = ("ddp", "fsdp2")
 

@@ -11,10 +11,10 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from src.config import ModelConfig, TrainConfig
 from src.data.loader import default_num_workers
-from src.data.synthetic_shapes import make_synthetic_shapes
-from src.data.synthetic_videos import make_synthetic_video_shards
 from src.models.clip import build_model, count_parameters
-from src.trainer.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
+from src.parallel.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
+from src.tools.synthetic_shapes import make_synthetic_shapes
+from src.tools.synthetic_videos import make_synthetic_video_shards
 from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
 from src.trainer.video_trainer import VideoTrainer

@@ -18,14 +18,14 @@ from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
 from src.models.clip import build_model
-from src.models.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import build_scaler
+from src.parallel.distributed import DistInfo, all_reduce_mean, barrier
+from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint, faults
 from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
-from src.trainer.distributed import DistInfo, all_reduce_mean, barrier
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger

@@ -19,9 +19,9 @@ from torch.distributed import ProcessGroup
 
 from src.config import TrainConfig, VideoConfig
 from src.models.video_clip import VideoCLIP, VideoTextOutput, build_video_model
-from src.trainer.distributed import DistInfo, all_gather_with_grad, barrier
+from src.parallel.distributed import DistInfo, all_gather_with_grad, barrier
+from src.parallel.mesh import Mesh
 from src.trainer.loss import clip_loss, pair_loss
-from src.trainer.mesh import Mesh
 from src.trainer.trainer import Trainer
 from src.trainer.video_eval import evaluate_video
 

@@ -6,10 +6,10 @@ with no NaN; `auto` takes them where it should; compiled blocks use them without
 import pytest
 import torch
 
-from src.models import short_attention as short_attention_module
-from src.models import tiled_attention as tiled_attention_module
-from src.models.short_attention import short_attention
-from src.models.tiled_attention import tiled_attention
+from src.kernels.attention import short as short_attention_module
+from src.kernels.attention import tiled as tiled_attention_module
+from src.kernels.attention.short import short_attention
+from src.kernels.attention.tiled import tiled_attention
 from src.models.transformer import Transformer, sdpa_attention, set_attention_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.throughput import ComputeOnlyTrainer, OnDeviceBatches, compose_config
-from src.trainer.distributed import DistInfo
+from src.parallel.distributed import DistInfo
 
 CLASSES = 16
 

@@ -6,8 +6,8 @@ show. Compiled with torch's fused AdamW, and eager with StableAdamW's Triton ste
 import pytest
 import torch
 
+from src.parallel.distributed import DistInfo
 from src.trainer.cuda_graph import WARMUP_STEPS
-from src.trainer.distributed import DistInfo
 from tests.gpu.test_compile_equivalence import LearnableBatchTrainer, compose_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

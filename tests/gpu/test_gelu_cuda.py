@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])  # float32: F.gelu itself
 def test_compiled_matches_float64(dtype):
-    from src.models.gelu import rational_gelu
+    from src.kernels.gelu import rational_gelu
 
     torch.manual_seed(0)
     h = (torch.randn(4111, 3072, device="cuda") * 3).to(dtype).requires_grad_()

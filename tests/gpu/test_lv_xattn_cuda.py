@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.models.xattn_core import block_backward, block_forward, visible_keys
+from src.parallel.xattn.core import block_backward, block_forward, visible_keys
 from tests.test_lv_xattn import Case, assert_exact, check_ranks, local_part, op_cases, reference_op, run_op, tensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,7 +9,7 @@ import torch
 
 from bench.throughput import compose_config
 from src.models import build_model
-from src.models.parallelize import apply_compile
+from src.parallel.parallelize import apply_compile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -18,7 +18,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("save_sum", [False, True])
 @pytest.mark.parametrize("with_a_bias", [False, True])
 def test_matches_float64_and_is_deterministic(width, dtype, save_sum, with_a_bias):
-    from src.models.residual_norm import residual_norm
+    from src.kernels.residual_norm import residual_norm
 
     torch.manual_seed(width)
     rows = 4111  # not a multiple of the rows per program
@@ -48,7 +48,7 @@ def test_matches_float64_and_is_deterministic(width, dtype, save_sum, with_a_bia
 
 @pytest.mark.parametrize("width", [512, 768, 1280])
 def test_auto_takes_the_kernels_at_every_width(monkeypatch, width):
-    from src.models import residual_norm as rn
+    from src.kernels import residual_norm as rn
     from src.models.transformer import Transformer
 
     calls, original = [], rn.residual_norm
@@ -62,7 +62,7 @@ def test_auto_takes_the_kernels_at_every_width(monkeypatch, width):
 def test_chained_blocks_train_like_unfused_ones(monkeypatch):
     """`auto` at width 1024 with a final norm: the blocks chain (each closing residual fused with the next
     norm) and land as close to float64 as the unfused blocks, output and every gradient."""
-    from src.models import residual_norm as rn
+    from src.kernels import residual_norm as rn
     from src.models.transformer import Transformer, set_residual_norm
 
     calls, original = [], rn.residual_norm

@@ -4,7 +4,7 @@ reference path on random inputs of ViT-H/14 shapes, with no NaN and every output
 import pytest
 import torch
 
-from src.models.switchback import VARIANTS, switchback_linear
+from src.kernels.switchback import VARIANTS, switchback_linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SHAPES = [(1280, 3840), (1280, 5120), (5120, 1280)]  # (in, out) of qkv, fc1, fc2 in ViT-H/14
@@ -48,8 +48,8 @@ def test_cuda_backend_equals_reference(variant, features, fast_accum):
 def test_kernels_are_bitwise_the_reference_at_vit_h_shapes():
     """Quantized values and scales bit for bit; the int8 matmul's float32 output too, without bias (with a
     bias the GPU may fuse the epilogue's multiply-add into one rounding)."""
-    from src.models.switchback import kernels
-    from src.models.switchback import reference as ref
+    from src.kernels.switchback import kernels
+    from src.kernels.switchback import reference as ref
 
     torch.manual_seed(0)
     for k, n in SHAPES:

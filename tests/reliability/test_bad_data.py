@@ -11,7 +11,7 @@ import stat
 
 import pytest
 
-from src.data.synthetic_shapes import make_synthetic_shapes
+from src.tools.synthetic_shapes import make_synthetic_shapes
 from tests.reliability.harness import LEDGER, Training, read_metrics, run_args, train_steps_logged
 
 SHARDS, PER_SHARD = 8, 20

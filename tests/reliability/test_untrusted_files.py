@@ -13,7 +13,7 @@ import torch
 from webdataset.autodecode import basichandlers
 
 from src.data.loader import TrainLoader
-from src.data.synthetic_shapes import make_synthetic_shapes
+from src.tools.synthetic_shapes import make_synthetic_shapes
 from tests.conftest import compose_config
 from tests.reliability.harness import LEDGER, Training, run_args
 

@@ -20,7 +20,7 @@ import os
 
 from PIL import Image
 
-from src.data.shard_writer import PackSummary, Row, SampleError, write_shards
+from src.tools.shard_writer import PackSummary, Row, SampleError, write_shards
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".avi", ".mov")
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from src.models.xattn_core import check_inputs
+from src.parallel.xattn.core import check_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # One row per rank of the shape exchange; a mismatch in any field but the two lengths is an error.

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from src.models.autocast import autocast_dtype
-from src.models.switchback import kernels
-from src.models.switchback import reference as ref
+from src.kernels.autocast import autocast_dtype
+from src.kernels.switchback import kernels
+from src.kernels.switchback import reference as ref
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 from webdataset.shardlists import expand_urls
 
-from src.data.shard_writer import read_captions
-from src.data.synthetic_shapes import BACKGROUNDS, COLOURS, jitter
-from src.data.video_pack import pack_videos
+from src.tools.shard_writer import read_captions
+from src.tools.synthetic_shapes import BACKGROUNDS, COLOURS, jitter
+from src.tools.video_pack import pack_videos
 
 SHAPES = ("circle", "square", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}

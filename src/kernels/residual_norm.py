@@ -29,7 +29,7 @@ try:
 except ImportError:
     triton = None
 
-from src.triton_interpreter import interpreting
+from src.kernels.triton_interpreter import interpreting
 
 ROWS = 32  # rows per program: fewer partial column sums to write and add, against fewer programs in flight
 # Warps per program and software-pipelining stages of its loop over rows (1: none), so that the next rows' loads

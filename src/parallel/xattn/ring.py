@@ -13,8 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from src.models.xattn_comm import ByteCounter, ShardLayout, ShardLengths, XAttnEngine, attend, resized, ring_pass
-from src.models.xattn_core import acc_dtype, block_backward, block_forward, empty_partial, merge_partials, visible_keys
+from src.parallel.xattn.comm import ByteCounter, ShardLayout, ShardLengths, XAttnEngine, attend, resized, ring_pass
+from src.parallel.xattn.core import (
+    acc_dtype,
+    block_backward,
+    block_forward,
+    empty_partial,
+    merge_partials,
+    visible_keys,
+)
 
 BYTES_SENT = ByteCounter()
 
@@ -86,6 +93,6 @@ def ring_xattn(
     key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
     kv_segment_ids: Tensor | None = None, scale: float | None = None, lengths: ShardLengths | None = None,
 ) -> Tensor:
-    """Same contract as `src.models.lv_xattn.lv_xattn`, computed by rotating K/V instead of Q."""
+    """Same contract as `src.parallel.xattn.lv.lv_xattn`, computed by rotating K/V instead of Q."""
     return attend(RING_XATTN, q, k, v, group, q_sharded=q_sharded, key_padding_mask=key_padding_mask,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, lengths=lengths)

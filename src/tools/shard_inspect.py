@@ -20,8 +20,8 @@ from PIL import Image
 from tqdm import tqdm
 from webdataset.tariterators import base_plus_ext
 
-from src.data.shard_writer import image_error
 from src.data.shards import IMAGE_EXTENSIONS, read_sizes
+from src.tools.shard_writer import image_error
 
 
 @dataclass

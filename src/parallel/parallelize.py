@@ -42,13 +42,13 @@ def apply_compile(model: nn.Module) -> int:
 
 
 def tag_compile_caches() -> None:
-    """Add a digest of the model code to the key of torch.compile's on-disk caches. They key a compiled graph on
-    the graph, which names our custom ops but not their fake implementations: after an edit changes the shape an
-    op's fake gives an output, a warm cache would replay code asserting the old shape (a failed
+    """Add a digest of the model and kernel code to the key of torch.compile's on-disk caches. They key a compiled
+    graph on the graph, which names our custom ops but not their fake implementations: after an edit changes the
+    shape an op's fake gives an output, a warm cache would replay code asserting the old shape (a failed
     `assert_size_stride`). A user's own `torch.compiler.config.cache_key_tag` is kept."""
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*(root / "models").rglob("*.py"), *(root / "kernels").rglob("*.py")]):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     tag = f"stableclip-models-{digest.hexdigest()[:16]}"
     tags = [t for t in torch.compiler.config.cache_key_tag.split(",") if t and not t.startswith("stableclip-models-")]

@@ -27,13 +27,13 @@ import math
 
 import torch
 
-from src.models.short_attention import _shape, kernel_unsupported_reason, power_of_2, register_autograd, run_checked
+from src.kernels.attention.short import _shape, kernel_unsupported_reason, power_of_2, register_autograd, run_checked
 
 try:
     import triton
     import triton.language as tl
 
-    from src.models.short_attention import _dot, _store_rows
+    from src.kernels.attention.short import _dot, _store_rows
 except ImportError:
     triton = None
 

@@ -34,7 +34,7 @@ try:
 except ImportError:
     triton = None
 
-from src.triton_interpreter import interpreting
+from src.kernels.triton_interpreter import interpreting
 
 MAX_LENGTH = 128  # the longest sequence the kernel takes, and the rows of its saved statistics
 # Rows of a program's first block of queries and keys; the rest of a longer sequence is a second block of the next
@@ -44,7 +44,7 @@ FIRST_ROWS = 64
 WARPS = None  # warps per program; None: 4 where the first block has at most 64 rows, else 8 (2 spill at 128)
 # The longest sequence `auto` gives it; longer ones go to tiled_attention.py's kernel. On an H200 this kernel beat
 # cuDNN's on CLIP's towers of 50 and 77 tokens (docs/BENCHMARKS.md, session 6), and beat the tiled kernel on the
-# text towers' 77 (session 13; `bench/throughput.py --set "py:src.models.short_attention.AUTO_MAX_LENGTH=64"`).
+# text towers' 77 (session 13; `bench/throughput.py --set "py:src.kernels.attention.short.AUTO_MAX_LENGTH=64"`).
 AUTO_MAX_LENGTH = MAX_LENGTH
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.models.switchback.functions import VARIANTS, check_backend, switchback_linear
+from src.kernels.switchback.functions import VARIANTS, check_backend, switchback_linear
 
 LINEAR_CHOICES = ("standard", *VARIANTS)
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from src.models.xattn_comm import ByteCounter, ShardLayout, ShardLengths, XAttnEngine, attend, resized, ring_pass
-from src.models.xattn_core import (
+from src.parallel.xattn.comm import ByteCounter, ShardLayout, ShardLengths, XAttnEngine, attend, resized, ring_pass
+from src.parallel.xattn.core import (
     NEG_INF,
     acc_dtype,
     block_backward,

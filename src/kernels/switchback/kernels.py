@@ -32,8 +32,8 @@ try:  # host-side TMA descriptors: Triton 3.4 and later
 except ImportError:
     TensorDescriptor = None
 
-from src.models.switchback.reference import FP8_DTYPE
-from src.triton_interpreter import interpreting
+from src.kernels.switchback.reference import FP8_DTYPE
+from src.kernels.triton_interpreter import interpreting
 
 _ROWS_PER_PROGRAM = 64  # rows one program quantizes when it also sums columns: the rows behind each partial sum
 _TILE = 64  # square tiles of the tensor-wise quantizer
