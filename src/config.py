@@ -9,9 +9,130 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+class Choice(str, Enum):
+    """A config key's set of allowed values. OmegaConf checks a YAML or command-line string against the member
+    names at composition; each member is also the string itself (it compares, hashes, formats and prints as its
+    value), so code reads `cfg.model.linear == "standard"` and writes plain strings to logs and checkpoints."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+class CheckpointPolicy(Choice):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class AttentionBackend(Choice):
+    auto = "auto"
+    triton_short = "triton_short"
+    triton_tiled = "triton_tiled"
+    flash = "flash"
+    cudnn = "cudnn"
+    efficient = "efficient"
+    math = "math"
+
+
+class ResidualNorm(Choice):
+    auto = "auto"
+    fused = "fused"
+    unfused = "unfused"
+
+
+class GeluForm(Choice):
+    auto = "auto"
+    erf = "erf"
+    rational = "rational"
+
+
+class Linear(Choice):
+    standard = "standard"
+    switchback_int8 = "switchback_int8"
+    switchback_int8_memeff = "switchback_int8_memeff"
+    switchback_int8_vectorwise = "switchback_int8_vectorwise"
+    switchback_fp8 = "switchback_fp8"
+
+
+class LinearBackend(Choice):
+    cuda = "cuda"
+    reference = "reference"
+
+
+class VideoHead(Choice):
+    xattn = "xattn"
+    mean = "mean"
+
+
+class FrameTokens(Choice):
+    patches = "patches"
+    cls = "cls"
+    mean = "mean"
+
+
+class TextQueries(Choice):
+    all = "all"
+    eot = "eot"
+
+
+class XAttnImpl(Choice):
+    lv_xattn = "lv_xattn"
+    lv_xattn_gather = "lv_xattn_gather"
+    ring = "ring"
+    local = "local"
+
+
+class DataMode(Choice):
+    epoch = "epoch"
+    resampled = "resampled"
+
+
+class OptimizerName(Choice):
+    adamw = "adamw"
+    stable_adamw = "stable_adamw"
+    adamw8bit = "adamw8bit"
+
+
+class Dtype(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Scaler(Choice):
+    none = "none"
+    dynamic = "dynamic"
+    fixed = "fixed"
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DataParallel(Choice):
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
+
+
+class WandbMode(Choice):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 @dataclass
