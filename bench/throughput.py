@@ -28,11 +28,10 @@ change to such a setting can then be timed against the default in one process, w
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
 import dataclasses
+import functools
 import gc
-import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -41,55 +40,37 @@ import tempfile
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from src.config import register_configs  # noqa: E402
+from src.compose import compose_config, module_settings  # noqa: E402
 from src.data.loader import default_num_workers  # noqa: E402
 from src.models.clip import build_model  # noqa: E402
 from src.parallel.distributed import DistInfo  # noqa: E402
 from src.tools.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
 from src.trainer.loss import clip_loss  # noqa: E402
-from src.trainer.trainer import Trainer  # noqa: E402
+from src.trainer.trainer import Trainer, image_text_parts  # noqa: E402
 
 OPENCLIP_NAMES = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14", "vit_huge": "ViT-H-14"}
 
 
-class OnDeviceBatches:
-    """The loader of a compute-only run: one fixed batch, already on the device."""
-
-    def __init__(self, batch: dict[str, torch.Tensor]):
-        self.batch = batch
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        return self.batch
-
-
-class ComputeOnlyTrainer(Trainer):
-    def build_loader(self) -> OnDeviceBatches:
-        cfg, device = self.cfg, self.device
-        size = cfg.model.vision.image_size
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        images = torch.randint(0, 256, (cfg.data.batch_size, 3, size, size), dtype=torch.uint8, generator=generator)
-        batch, context = cfg.data.batch_size, cfg.model.text.context_length
-        tokens = torch.randint(1, 49406, (batch, context), generator=generator)
-        # Captions of different lengths: end of text at a random position, zero padding after it, as tokenized.
-        ends = torch.randint(2, context, (batch,), generator=generator)
-        positions = torch.arange(context)
-        tokens[positions > ends[:, None]] = 0
-        tokens[positions == ends[:, None]] = 49407
-        return OnDeviceBatches({"images": images.to(device), "tokens": tokens.to(device)})
-
-
-def compose_config(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
+def on_device_batch(cfg, device: torch.device) -> dict[str, torch.Tensor]:
+    """A compute-only run's batch, fed to every step: random uint8 images and tokenized-looking captions, made
+    once, on the device."""
+    size = cfg.model.vision.image_size
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    images = torch.randint(0, 256, (cfg.data.batch_size, 3, size, size), dtype=torch.uint8, generator=generator)
+    batch, context = cfg.data.batch_size, cfg.model.text.context_length
+    tokens = torch.randint(1, 49406, (batch, context), generator=generator)
+    # Captions of different lengths: end of text at a random position, zero padding after it, as tokenized.
+    ends = torch.randint(2, context, (batch,), generator=generator)
+    positions = torch.arange(context)
+    tokens[positions > ends[:, None]] = 0
+    tokens[positions == ends[:, None]] = 49407
+    return {"images": images.to(device), "tokens": tokens.to(device)}
 
 
 def step_flops(cfg) -> int:
@@ -214,8 +195,9 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     if end_to_end:
         cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
-    trainer_class = Trainer if end_to_end else ComputeOnlyTrainer
-    trainer = trainer_class(cfg, run_dir, DistInfo(0, 1, 0, device))
+    parts = image_text_parts if end_to_end else functools.partial(
+        image_text_parts, loader=itertools.repeat(on_device_batch(cfg, device)))
+    trainer = Trainer(cfg, run_dir, DistInfo(0, 1, 0, device), parts)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
@@ -244,34 +226,6 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
 
 
 MODULE_SETTING = "py:"  # the prefix of a --set token that sets a module-level value, not a config key
-
-
-@contextlib.contextmanager
-def module_settings(assignments: list[str]):
-    """Set each `MODULE.NAME=VALUE` (VALUE a Python literal) for the duration of the block, then put the old
-    values back. A name the module does not have is an error, not a new attribute: a typo would otherwise time
-    the defaults under another name."""
-    saved = []
-    try:
-        for assignment in assignments:
-            target, equals, literal = assignment.partition("=")
-            module_name, _, name = target.rpartition(".")
-            if not equals or not module_name:
-                raise ValueError(f"{MODULE_SETTING}{assignment!r} is not MODULE.NAME=VALUE, e.g. "
-                                 f"{MODULE_SETTING}src.kernels.residual_norm.WARPS=4")
-            module = importlib.import_module(module_name)
-            if not hasattr(module, name):
-                raise ValueError(f"{MODULE_SETTING}{assignment!r}: {module_name} has no {name!r}")
-            try:
-                value = ast.literal_eval(literal)
-            except (ValueError, SyntaxError) as error:
-                raise ValueError(f"{MODULE_SETTING}{assignment!r}: {literal!r} is not a Python literal") from error
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, value)
-        yield
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
 
 
 def run_peer(args) -> dict:

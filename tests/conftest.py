@@ -3,20 +3,12 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from src.config import TrainConfig, register_configs
+from src.compose import CONFIGS, compose_config
 from src.tools.synthetic_shapes import make_synthetic_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = os.path.join(ROOT, "configs")
-register_configs()
-
-
-def compose_config(overrides: list[str]) -> TrainConfig:
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
+__all__ = ["CONFIGS", "compose_config"]  # tests import them from here, beside the fixtures
 
 
 @pytest.fixture(scope="session")

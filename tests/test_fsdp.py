@@ -21,7 +21,7 @@ from src.parallel.distributed import DistInfo
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer.loss import clip_loss
 from src.trainer.trainer import Trainer
-from src.trainer.video_trainer import VideoTrainer
+from src.trainer.video_trainer import video_parts
 from tests.conftest import compose_config, data_overrides
 from tests.test_distributed import BATCH, batch_and_model
 
@@ -254,4 +254,4 @@ def test_bad_data_parallel_values_fail_with_the_choices(tmp_path):
         Trainer(cfg, str(tmp_path), DistInfo(0, 1, 0, torch.device("cpu")))
     cfg = compose_config(["experiment=video_finetune", "trainer.data_parallel=fsdp2"])
     with pytest.raises(ValueError, match="fsdp2 does not support video fine-tuning"):
-        VideoTrainer(cfg, str(tmp_path), DistInfo(0, 1, 0, torch.device("cpu")))
+        Trainer(cfg, str(tmp_path), DistInfo(0, 1, 0, torch.device("cpu")), video_parts)

@@ -3,7 +3,8 @@ suffix is always complete, so a crash mid-save never produces a broken "latest".
 
 Layout of `checkpoints/step_00000500/`: `model.pt` and `train_state.pt` (optimizer, scheduler, step,
 ...) from rank 0, and `rank_R.pt` (RNG states, data position) from every rank. All files hold only
-tensors and plain Python types and load with `torch.load(weights_only=True)`.
+tensors and plain Python types and load with `torch.load(weights_only=True)`. Which part goes where is
+src/trainer/state.py's `TrainState`, the one list of what a checkpoint holds.
 
 A write that fails (disk full, quota, permissions) removes its `.tmp` directory and raises on every rank;
 the previous checkpoint stays as it was. See docs/reliability.md.
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from src.parallel.distributed import any_rank, barrier, broadcast_object
-from src.trainer import faults
+from src.trainer.state import SHARED_FILES, TrainState
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DEBRIS = re.compile(r"^step_\d+\.(tmp|deleting)$")  # left by a save or a prune that was killed
@@ -119,13 +120,10 @@ def save_checkpoint(
         os.makedirs(tmp)
 
     def write_files() -> None:
-        if rank == 0:
-            faults.pause("save:start", step)
         fsync_save(per_rank, os.path.join(tmp, f"rank_{rank}.pt"))
         if rank == 0:
             for stem, state in shared.items():
                 fsync_save(state, os.path.join(tmp, f"{stem}.pt"))
-                faults.pause(f"save:{stem}", step)
 
     write_on_every_rank(make_tmp if rank == 0 else None, rank, checkpoints, tmp)
     write_on_every_rank(write_files, rank, checkpoints, tmp)
@@ -134,9 +132,7 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(checkpoints)
-        faults.pause("save:renamed", step)
         retire_old(checkpoints, keep_last_k)
-        faults.pause("prune", step)
         remove_debris(checkpoints)
     barrier()
     return final
@@ -183,6 +179,23 @@ def remove_debris(checkpoints: str) -> None:
             shutil.rmtree(os.path.join(checkpoints, name))
 
 
+def save_train_state(checkpoints: str, step: int, state: TrainState, *, rank: int, keep_last_k: int) -> str:
+    """Every part `state` registers, at `step`; returns the checkpoint directory."""
+    return save_checkpoint(checkpoints, step, rank=rank, shared=state.shared_files(), per_rank=state.rank_file(),
+                           keep_last_k=keep_last_k)
+
+
+def load_train_state(path: str, state: TrainState, *, rank: int) -> None:
+    """Restore every part `state` registers from the checkpoint directory `path`."""
+    if not os.path.isfile(os.path.join(path, f"rank_{rank}.pt")):
+        raise FileNotFoundError(
+            f"{path!r} has no state for rank {rank}: it was saved with fewer ranks; resume with the world size it "
+            "was saved with"
+        )
+    files = {stem: load_file(path, stem) for stem in SHARED_FILES}
+    state.load(files, load_file(path, f"rank_{rank}"))
+
+
 def load_file(directory: str, stem: str) -> dict:
     path = os.path.join(directory, f"{stem}.pt")
     try:
@@ -213,6 +226,32 @@ def load_model_state(model: nn.Module, state: dict) -> None:
         set_model_state_dict(model, state, options=SCATTER)
     else:
         model.load_state_dict(state)
+
+
+class ModelState:
+    """The model as a stateful part of a checkpoint: whole, in DDP's layout, also under FSDP2."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return model_state(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_model_state(self.model, state)
+
+
+class OptimizerState:
+    """The optimizer as a stateful part of a checkpoint: indexed by parameter as DDP's, also under FSDP2."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return optimizer_state(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_optimizer_state(self.model, self.optimizer, state)
 
 
 def param_indices(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -25,8 +25,6 @@ from collections.abc import Callable
 
 import torch
 
-from src.trainer import faults
-
 WARMUP_STEPS = 3  # eager steps before capture: compilation and lazy kernel set-up happen in the first one or two
 
 StepOutputs = dict[str, torch.Tensor]
@@ -53,9 +51,6 @@ def check_cuda_graph(device: torch.device, world_size: int, scaler: str) -> None
     if scaler == "dynamic":
         raise ValueError("trainer.cuda_graph=true cannot record precision.scaler=dynamic: torch's GradScaler keeps "
                          "per-step state on the host. Use precision.scaler=fixed, or precision=bf16")
-    if faults.LOSS or faults.GRAD:
-        raise ValueError("trainer.cuda_graph=true would record the fault hooks' step once and replay it: unset "
-                         "STABLECLIP_FAULT_LOSS and STABLECLIP_FAULT_GRAD, or set trainer.cuda_graph=false")
 
 
 class GraphedForwardBackward:

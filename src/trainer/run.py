@@ -16,8 +16,8 @@ from src.parallel.distributed import barrier, broadcast_object, destroy, env_ran
 from src.tools.synthetic_shapes import make_synthetic_shapes
 from src.tools.synthetic_videos import make_synthetic_video_shards
 from src.trainer.preflight import preflight
-from src.trainer.trainer import Trainer
-from src.trainer.video_trainer import VideoTrainer
+from src.trainer.trainer import Trainer, image_text_parts
+from src.trainer.video_trainer import video_parts
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,6 @@ def run(dict_cfg: DictConfig) -> None:
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
             log.info("run directory: %s (command: %s)", run_dir, " ".join(sys.argv))
         ensure_synthetic_data(cfg, dist_info.is_main)
-        (VideoTrainer if cfg.data.frames else Trainer)(cfg, run_dir, dist_info).fit()
+        Trainer(cfg, run_dir, dist_info, video_parts if cfg.data.frames else image_text_parts).fit()
     finally:
         destroy()

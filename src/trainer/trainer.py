@@ -1,4 +1,6 @@
-"""The Trainer: composes model, data, optimizer, schedule, precision, logging and checkpoints."""
+"""The Trainer: the training loop, precision, data parallelism, logging and checkpoints, around the parts of a run
+(model, loader, loss, evaluation) that builder functions make: `image_text_parts` here, `video_parts` for video
+fine-tuning (src/trainer/video_trainer.py), or a benchmark's own."""
 
 from __future__ import annotations
 
@@ -7,24 +9,28 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
-from src.models.clip import build_model
+from src.models import clip
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import build_scaler
 from src.parallel.distributed import DistInfo, all_reduce_mean, barrier
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
-from src.trainer import checkpoint, faults
+from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
@@ -33,6 +39,7 @@ from src.trainer.preemption import Preemption
 from src.trainer.preflight import check_data_parallel
 from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
+from src.trainer.state import Progress, RNGState, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -46,46 +53,114 @@ METRIC_NAMES = {
 }
 
 
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        # weights_only loading refuses numpy arrays, so the Mersenne-Twister keys travel as a tensor.
-        "numpy": [torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def autocast_dtype(dtype: str) -> torch.dtype | None:
+    """The dtype `precision.dtype` names, None for fp32 (no autocast)."""
+    if dtype not in AUTOCAST_DTYPES:
+        raise ValueError(f"precision.dtype={dtype!r} is not supported: choose one of " + ", ".join(AUTOCAST_DTYPES))
+    return AUTOCAST_DTYPES[dtype]
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class Loader(Protocol):
+    """Batches of device-ready tensors (and host-side bookkeeping). A run that checkpoints also needs the
+    loader's `state_dict`/`load_state_dict`, `bad_counts()` and `epoch`, as `TrainLoader` has them."""
+
+    def __next__(self) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class TrainParts:
+    """What a kind of run trains, built before the Trainer compiles, wraps and optimizes the model. Image-text
+    runs get theirs from `image_text_parts`, video runs from src.trainer.video_trainer's `video_parts`.
+
+    - `loss(forward_model, batch)`: the training loss of one batch (called under autocast; `forward_model` is
+      the model as the Trainer wrapped it for data parallelism).
+    - `evaluate(model, autocast)`: the evaluation's results on the rank that logs them, None on the others
+      (which may still take part).
+    - `patch_embed`: the parameter whose update RMS spike detection follows."""
+
+    model: nn.Module
+    loader: Loader
+    loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    evaluate: Callable[[nn.Module, Callable[[], contextlib.AbstractContextManager]], dict[str, float] | None]
+    patch_embed: str
+
+
+BuildParts = Callable[[TrainConfig, DistInfo], TrainParts]
+
+
+def build_model(cfg: TrainConfig, architecture: Callable[[], nn.Module]) -> nn.Module:
+    """The model a run trains: `architecture()`, initialised from trainer.seed (identical weights on every rank),
+    then loaded with the weights model.init_from names."""
+    torch.manual_seed(cfg.trainer.seed)
+    model = architecture()
+    if cfg.model.init_from:
+        log.info("model weights from %s", load_pretrained(model, cfg.model.init_from))
+    return model
+
+
+def image_normalizer(cfg: TrainConfig, device: torch.device) -> ImageNormalizer:
+    return ImageNormalizer(device, dtype=autocast_dtype(cfg.precision.dtype) or torch.float32,
+                           compile=cfg.trainer.compile)
+
+
+def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | None = None) -> TrainParts:
+    """The parts of a CLIP run on image-text pairs. `loader`: batches from elsewhere (a benchmark's, already on
+    the device) instead of the webdataset loader."""
+    if cfg.data.frames:
+        raise ValueError(
+            f"data.frames={cfg.data.frames} loads video clips, but the CLIP trainer takes images: use "
+            "experiment=video_finetune for video, or data.frames=0"
+        )
+    device = dist_info.device
+    model = build_model(cfg, lambda: clip.build_model(cfg.model, device))
+    if loader is None:
+        loader = TrainLoader(
+            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+            seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
+            pin_memory=device.type == "cuda",
+        )
+    normalize = image_normalizer(cfg, device)
+    # Under FSDP2 every forward needs every rank's shards, so all ranks evaluate the same data and rank 0 logs.
+    sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
+
+    def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        images = normalize(batch["images"].to(device, non_blocking=True))
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        image_features, text_features, logit_scale = forward_model(images, tokens)
+        return clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+
+    def evaluate_images(model: nn.Module, autocast: Callable) -> dict[str, float] | None:
+        """On rank 0 only (or every rank under FSDP2), on the unwrapped model."""
+        if not (dist_info.is_main or sharded):
+            return None
+        with unsharded_root(model):
+            results = evaluate(
+                model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
+                image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+                num_workers=cfg.data.num_workers, device=device, prepare_images=normalize, autocast=autocast,
+                zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
+            )
+        return results if dist_info.is_main else None
+
+    return TrainParts(model, loader, loss, evaluate_images, PATCH_EMBED)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: str, dist_info: DistInfo):
+    """The loop, precision, data parallelism, logging and checkpoints around the parts `build_parts` makes."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str, dist_info: DistInfo, build_parts: BuildParts = image_text_parts):
         self.cfg, self.run_dir, self.dist = cfg, run_dir, dist_info
         self.device = dist_info.device
-        if cfg.precision.dtype not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"precision.dtype={cfg.precision.dtype!r} is not supported: choose one of "
-                + ", ".join(AUTOCAST_DTYPES)
-            )
-        self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
+        self.autocast_dtype = autocast_dtype(cfg.precision.dtype)
         self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
-        self.check_config()
         check_data_parallel(cfg.trainer.data_parallel, video=bool(cfg.data.frames))
         # One rank has nothing to shard: it runs the plain model, as DDP does.
         self.sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
-        # Same seed on every rank for identical initial weights; per-rank streams afterwards.
-        torch.manual_seed(cfg.trainer.seed)
-        self.model = self.build_model()
+        self.parts = build_parts(cfg, dist_info)
+        self.model, self.loader = self.parts.model, self.parts.loader
         if cfg.trainer.compile:
             apply_compile(self.model)
+        # The same seed on every rank gave identical initial weights; per-rank streams from here on.
         torch.manual_seed(cfg.trainer.seed + dist_info.rank)
         random.seed(cfg.trainer.seed + dist_info.rank)
         np.random.seed(cfg.trainer.seed + dist_info.rank)
@@ -105,62 +180,28 @@ class Trainer:
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
         )
-        self.loader = self.build_loader()
-        self.normalize = ImageNormalizer(self.device, dtype=self.autocast_dtype or torch.float32,
-                                         compile=cfg.trainer.compile)
-        self.patch_embed = dict(self.model.named_parameters())[self.patch_embed_name]
+        self.patch_embed = dict(self.model.named_parameters())[self.parts.patch_embed]
         self.spikes = SpikeDetector(cfg.spikes)
-        self.step = 0
-        self.nonfinite_streak = 0  # skipped steps in a row
-        self.eval_pending = False  # a stop signal came before this step's evaluation
+        self.progress = Progress(world_size=dist_info.world_size)
+        self.state = TrainState(
+            model=checkpoint.ModelState(self.model), progress=self.progress,
+            shared={"optimizer": checkpoint.OptimizerState(self.model, self.optimizer), "scheduler": self.scheduler,
+                    "scaler": self.scaler, "spikes": self.spikes},
+            per_rank={"data": self.loader, "rng": RNGState()},
+        )
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         if cfg.trainer.resume:
             self.resume(cfg.trainer.resume)
+        # Its files are cut back to the resumed step: nothing of it needs saving.
         self.metrics = MetricLogger(
             run_dir, cfg.logger, enabled=dist_info.is_main, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
-            start_step=self.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
-            repeat_eval=self.eval_pending,
-        )
-
-    # Hooks a specialised trainer (e.g. video fine-tuning) overrides; the loop, precision, logging and
-    # checkpoints stay shared.
-    patch_embed_name = PATCH_EMBED
-
-    def check_config(self) -> None:
-        if self.cfg.data.frames:
-            raise ValueError(
-                f"data.frames={self.cfg.data.frames} loads video clips, but the CLIP trainer takes images: use "
-                "experiment=video_finetune for video, or data.frames=0"
-            )
-
-    def new_model(self) -> torch.nn.Module:
-        """The architecture, freshly initialised."""
-        return build_model(self.cfg.model, self.device)
-
-    def data_ranks(self) -> tuple[int, int]:
-        """(this rank, ranks) as the loader splits the data."""
-        return self.dist.rank, self.dist.world_size
-
-    def build_model(self) -> torch.nn.Module:
-        model = self.new_model()
-        if self.cfg.model.init_from:
-            log.info("model weights from %s", load_pretrained(model, self.cfg.model.init_from))
-        return model
-
-    def build_loader(self) -> TrainLoader:
-        cfg = self.cfg
-        rank, world_size = self.data_ranks()
-        return TrainLoader(
-            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-            seed=cfg.trainer.seed, rank=rank, world_size=world_size, pin_memory=self.device.type == "cuda",
+            start_step=self.progress.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
+            repeat_eval=self.progress.eval_pending,
         )
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The training loss of one batch, under autocast."""
-        images = self.normalize(batch["images"].to(self.device, non_blocking=True))
-        tokens = batch["tokens"].to(self.device, non_blocking=True)
-        image_features, text_features, logit_scale = self.forward_model(images, tokens)
-        return clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+        return self.parts.loss(self.forward_model, batch)
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -174,9 +215,8 @@ class Trainer:
         """Everything before the optimizer: loss, backward, unscaling, clipping (what `trainer.cuda_graph` records).
         Device tensors only."""
         with self.autocast():
-            loss = faults.corrupt_loss(self.step, self.forward_loss(batch))
+            loss = self.forward_loss(batch)
         self.scaler.scale(loss).backward()
-        faults.corrupt_grad(self.step, self.model)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.gradients(), self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
                                    ignore_nonfinite=self.scaler.skips_tensors)
@@ -226,48 +266,48 @@ class Trainer:
         end = cfg.max_steps if cfg.stop_at_step is None else min(cfg.stop_at_step, cfg.max_steps)
         pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         window_start, window_steps = time.perf_counter(), 0
-        if self.eval_pending:
+        if self.progress.eval_pending:
             self.run_eval()
-            self.eval_pending = False
-        while self.step < end:
+            self.progress.eval_pending = False
+        while self.progress.step < end:
             batch = next(self.loader)
             lr = self.scheduler.get_last_lr()[0]
-            pending.append((self.step, lr, self.train_step(batch)))
-            self.step += 1
+            pending.append((self.progress.step, lr, self.train_step(batch)))
+            self.progress.step += 1
             window_steps += 1
-            faults.pause("step", self.step)
             stop = self.preemption.requested()
-            if stop or self.step % cfg.log_every == 0 or self.step == end:
+            if stop or self.progress.step % cfg.log_every == 0 or self.progress.step == end:
                 elapsed = time.perf_counter() - window_start
                 self.flush_metrics(pending, self.cfg.data.batch_size * window_steps / elapsed)
                 pending, window_start, window_steps = [], time.perf_counter(), 0
                 self.check_nonfinite()
-            evaluate_now = cfg.eval.every > 0 and self.step % cfg.eval.every == 0
-            evaluate_now = bool(self.cfg.data.eval_shards) and (evaluate_now or self.step == cfg.max_steps)
+            evaluate_now = cfg.eval.every > 0 and self.progress.step % cfg.eval.every == 0
+            evaluate_now = bool(self.cfg.data.eval_shards) and (evaluate_now or self.progress.step == cfg.max_steps)
             if stop:
                 # The evaluation can take long: the resumed run does it first instead.
-                self.eval_pending = evaluate_now
+                self.progress.eval_pending = evaluate_now
                 self.save()
                 received = self.preemption.received
                 cause = received.name if received else "a signal to another rank"
-                self.metrics.message(f"stopped at step {self.step} on {cause}; continue with trainer.resume=latest")
+                self.metrics.message(f"stopped at step {self.progress.step} on {cause}; continue with "
+                                     "trainer.resume=latest")
                 break
             if evaluate_now:
                 self.run_eval()
-            if (cfg.ckpt_every > 0 and self.step % cfg.ckpt_every == 0) or self.step == end:
+            if (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end:
                 self.save()
         self.metrics.close()
 
     def check_nonfinite(self) -> None:
         """Skipped steps change no weight, so the weights now are those of the last good update: save them."""
-        limit = self.cfg.trainer.max_nonfinite_steps
-        if limit is None or self.nonfinite_streak <= limit:
+        limit, streak, step = self.cfg.trainer.max_nonfinite_steps, self.progress.nonfinite_streak, self.progress.step
+        if limit is None or streak <= limit:
             return
         self.save()
         raise RuntimeError(
-            f"the last {self.nonfinite_streak} steps had non-finite gradients and were skipped, more than "
-            f"trainer.max_nonfinite_steps={limit}: stopping. The checkpoint of step {self.step} holds the weights "
-            f"as they were after step {self.step - self.nonfinite_streak}. Lower optim.lr, try optim=stable_adamw "
+            f"the last {streak} steps had non-finite gradients and were skipped, more than "
+            f"trainer.max_nonfinite_steps={limit}: stopping. The checkpoint of step {step} holds the weights "
+            f"as they were after step {step - streak}. Lower optim.lr, try optim=stable_adamw "
             "or check the data near this step, then continue with trainer.resume=latest"
         )
 
@@ -281,13 +321,15 @@ class Trainer:
             record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
             record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
             record.update({f"data/bad/{reason}": n for reason, n in bad_data.items()})
-            self.nonfinite_streak = self.nonfinite_streak + 1 if record["train/skipped_step"] else 0
-            if self.nonfinite_streak and self.dist.is_main:
-                log.warning("step %d: non-finite gradients, update skipped (%d in a row)", step, self.nonfinite_streak)
+            streak = self.progress.nonfinite_streak + 1 if record["train/skipped_step"] else 0
+            self.progress.nonfinite_streak = streak
+            if streak and self.dist.is_main:
+                log.warning("step %d: non-finite gradients, update skipped (%d in a row)", step, streak)
             if self.dist.is_main and self.cfg.spikes.enabled:
                 record.update(self.detect_spikes(step, record))
             self.metrics.log(step, record)
-        self.metrics.flush(self.step, {"loss": record["train/loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
+        self.metrics.flush(self.progress.step,
+                           {"loss": record["train/loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
 
     def detect_spikes(self, step: int, record: dict) -> dict:
         events = self.spikes.update(step, record["train/loss"], record.get("optim/rms/patch_embed"))
@@ -309,46 +351,23 @@ class Trainer:
         }
 
     def run_eval(self) -> None:
-        """On rank 0 only, on the unwrapped model; the other ranks wait. Under FSDP2 every forward needs every
-        rank's shards, so all ranks evaluate the same data and rank 0 logs."""
-        if self.dist.is_main or self.sharded:
-            if self.dist.is_main:
-                faults.pause("eval", self.step)
-            cfg = self.cfg
-            with unsharded_root(self.model):
-                results = evaluate(
-                    self.model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
-                    image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-                    num_workers=cfg.data.num_workers, device=self.device, prepare_images=self.normalize,
-                    autocast=self.autocast, zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
-                )
-            if self.dist.is_main:
-                self.log_eval(results)
+        """The parts' evaluation, logged by rank 0; every rank waits for it."""
+        results = self.parts.evaluate(self.model, self.autocast)
+        if results is not None:
+            self.log_eval(results)
         barrier()
 
     def log_eval(self, results: dict[str, float]) -> None:
-        self.metrics.log(self.step, results)
-        self.metrics.flush(self.step, {})
+        step = self.progress.step
+        self.metrics.log(step, results)
+        self.metrics.flush(step, {})
         self.metrics.message(
-            f"step {self.step} eval: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in results.items())
+            f"step {step} eval: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in results.items())
         )
 
     def save(self) -> None:
-        shared = {
-            "model": checkpoint.model_state(self.model),
-            "train_state": {
-                "optimizer": checkpoint.optimizer_state(self.model, self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
-                "step": self.step, "world_size": self.dist.world_size, "scaler": self.scaler.state_dict(),
-                "spikes": self.spikes.state_dict(), "nonfinite_streak": self.nonfinite_streak,
-                "eval_pending": self.eval_pending,
-            },
-        }
-        per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
-        path = checkpoint.save_checkpoint(
-            self.checkpoints, self.step, rank=self.dist.rank, shared=shared, per_rank=per_rank,
-            keep_last_k=self.cfg.trainer.keep_last_k,
-        )
+        path = checkpoint.save_train_state(self.checkpoints, self.progress.step, self.state, rank=self.dist.rank,
+                                           keep_last_k=self.cfg.trainer.keep_last_k)
         self.metrics.message(f"saved checkpoint {path}")
 
     def resume(self, resume: str) -> None:
@@ -356,24 +375,5 @@ class Trainer:
         if path is None:
             log.info("trainer.resume=latest: no checkpoint in %s yet, starting from step 0", self.checkpoints)
             return
-        rank_file = os.path.join(path, f"rank_{self.dist.rank}.pt")
-        if not os.path.isfile(rank_file):
-            raise FileNotFoundError(
-                f"{path!r} has no state for rank {self.dist.rank}: it was saved with fewer ranks; resume "
-                "with the world size it was saved with"
-            )
-        checkpoint.load_model_state(self.model, checkpoint.load_file(path, "model"))
-        state = checkpoint.load_file(path, "train_state")
-        checkpoint.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        self.scaler.load_state_dict(state["scaler"])
-        self.spikes.load_state_dict(state["spikes"])
-        # Checkpoints written before these keys existed had neither.
-        self.nonfinite_streak = state.get("nonfinite_streak", 0)
-        self.eval_pending = state.get("eval_pending", False)
-        mine = checkpoint.load_file(path, f"rank_{self.dist.rank}")
-        self.loader.load_state_dict(mine["data"])
-        set_rng_state(mine["rng"])
-        log.info("resumed from %s at step %d", path, self.step)
-
+        checkpoint.load_train_state(path, self.state, rank=self.dist.rank)
+        log.info("resumed from %s at step %d", path, self.progress.step)

@@ -33,15 +33,19 @@ def run_args(shapes: dict[str, str], run_dir, *extra: str) -> list[str]:
     ]
 
 
+LAUNCH = os.path.join(ROOT, "tests", "reliability", "launch.py")  # train.py, with the faults `env` asks for
+
+
 class Training:
     """train.py (or torchrun) in its own session, so that a signal can reach the whole process tree as a
-    scheduler's would; output goes to `log_path`."""
+    scheduler's would; output goes to `log_path`. It runs through tests/reliability/launch.py, which injects the
+    faults that `env`'s STABLECLIP_FAULT_* variables name (none: train.py as it is)."""
 
     def __init__(self, args: list[str], log_path, *, torchrun: int = 0, max_restarts: int = 0, env: dict | None = None,
                  wrapper: list[str] = ()):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
                     f"--max-restarts={max_restarts}"]
-        self.command = [*wrapper, *(launcher if torchrun else [sys.executable]), os.path.join(ROOT, "train.py"), *args]
+        self.command = [*wrapper, *(launcher if torchrun else [sys.executable]), LAUNCH, *args]
         self.log_path = log_path
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "w") as log:

@@ -1,0 +1,104 @@
+"""The one registry of what a checkpoint holds: every stateful part of a run, by name and by the file it lives in.
+
+Saving and resuming walk the same `TrainState`, so a part added to a run is saved and restored by adding it here
+once. The layout on disk (src/trainer/checkpoint.py) is fixed by the checkpoints already written:
+
+- `model.pt`: the model's state dict, the whole file;
+- `train_state.pt` (rank 0): one key per shared part (`optimizer`, `scheduler`, `scaler`, `spikes`), and the run's
+  progress counters (`step`, `world_size`, `nonfinite_streak`, `eval_pending`) at the top level;
+- `rank_R.pt` (every rank): one key per per-rank part (`rng`, `data`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+MODEL_FILE, SHARED_FILE = "model", "train_state"
+SHARED_FILES = (MODEL_FILE, SHARED_FILE)  # written by rank 0, read by every rank
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Where the run is: the steps done, the non-finite steps skipped in a row, and whether a stop signal came
+    before this step's evaluation (the resumed run then evaluates first). `world_size` is saved, not restored."""
+
+    world_size: int
+    step: int = 0
+    nonfinite_streak: int = 0
+    eval_pending: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "world_size": self.world_size, "nonfinite_streak": self.nonfinite_streak,
+                "eval_pending": self.eval_pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        # Checkpoints written before these keys existed had neither.
+        self.nonfinite_streak = state.get("nonfinite_streak", 0)
+        self.eval_pending = state.get("eval_pending", False)
+
+
+class RNGState:
+    """This process's random streams: Python's, NumPy's, torch's CPU and CUDA generators."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "python": random.getstate(),
+            # weights_only loading refuses numpy arrays, so the Mersenne-Twister keys travel as a tensor.
+            "numpy": [torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in state["numpy"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class TrainState:
+    """name -> stateful part. `model` is model.pt whole; `progress` is spread over train_state.pt's top level;
+    `shared` are train_state.pt's other keys (rank 0 writes them); `per_rank` are the keys of every rank's own
+    file. Parts are saved and loaded in this order (model before optimizer: loading FSDP2's optimizer state needs
+    the parameters' shards in place)."""
+
+    model: Stateful
+    progress: Progress
+    shared: dict[str, Stateful] = field(default_factory=dict)
+    per_rank: dict[str, Stateful] = field(default_factory=dict)
+
+    def shared_files(self) -> dict[str, dict[str, Any]]:
+        """File stem -> contents, for rank 0 to write. Collective under FSDP2 (the model and optimizer are
+        gathered): every rank calls it; ranks other than 0 get empty states."""
+        model = self.model.state_dict()
+        shared = {name: part.state_dict() for name, part in self.shared.items()}
+        return {MODEL_FILE: model, SHARED_FILE: {**shared, **self.progress.state_dict()}}
+
+    def rank_file(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self.per_rank.items()}
+
+    def load(self, files: dict[str, dict[str, Any]], rank_file: dict[str, Any]) -> None:
+        """`files`: what `shared_files` gave (read back on every rank); `rank_file`: this rank's."""
+        self.model.load_state_dict(files[MODEL_FILE])
+        shared = files[SHARED_FILE]
+        for name, part in self.shared.items():
+            part.load_state_dict(shared[name])
+        self.progress.load_state_dict(shared)
+        for name, part in self.per_rank.items():
+            part.load_state_dict(rank_file[name])
