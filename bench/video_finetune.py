@@ -5,7 +5,7 @@
     python bench/video_finetune.py --quick        # CPU smoke test (gloo, vit_tiny, 4 frames), run in CI
 
 Spawns --sp processes (one per GPU, one sequence-parallel group, NCCL) and times the step the trainer runs
-(`VideoTrainer.forward_loss` = `video_text_loss` on the model's output, backward, fused AdamW) for
+(the loss of `video_parts` = `video_text_loss` on the model's output, backward, fused AdamW) for
 model.video.head_impl=lv_xattn and =ring on the same random clips: bf16 autocast, the whole image tower
 trained, every caption token a query (text_queries=all, 77 per caption), recomputation on. With the defaults,
 ViT-B/16 at 224 px, each rank encodes 64 of the 128 frames of a clip: 64 × 196 = 12.5K visual tokens per rank.

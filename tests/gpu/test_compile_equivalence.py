@@ -9,31 +9,38 @@ twice what that run does. A fixed 3% per step failed in session 8 (4.4% at step 
 within 0.2%): on the steep part of the curve, rounding differences grow for a while before the runs meet
 again, by an amount no fixed tolerance captures."""
 
+import functools
+import itertools
+
 import pytest
 import torch
 
-from bench.throughput import ComputeOnlyTrainer, OnDeviceBatches, compose_config
+from src.compose import compose_config
 from src.parallel.distributed import DistInfo
+from src.trainer.trainer import Trainer, image_text_parts
 
 CLASSES = 16
 
 
-class LearnableBatchTrainer(ComputeOnlyTrainer):
+def learnable_batch(cfg, device) -> dict[str, torch.Tensor]:
     """One fixed batch that a CLIP learns within a few dozen steps: each image is a noisy flat colour of one of
     16 classes, each caption names its class. (On noise images with random captions the loss did not move
     from ln(batch) in 50 steps, so the comparison said nothing.)"""
+    batch, size, context = cfg.data.batch_size, cfg.model.vision.image_size, cfg.model.text.context_length
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(batch) % CLASSES
+    palette = torch.randint(0, 256, (CLASSES, 3, 1, 1), generator=generator).float()
+    noise = torch.randn(batch, 3, size, size, generator=generator) * 20
+    images = (palette[labels] + noise).clamp(0, 255).to(torch.uint8)
+    tokens = torch.zeros(batch, context, dtype=torch.long)
+    tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 1000 + labels, 49407
+    return {"images": images.to(device), "tokens": tokens.to(device)}
 
-    def build_loader(self) -> OnDeviceBatches:
-        cfg = self.cfg
-        batch, size, context = cfg.data.batch_size, cfg.model.vision.image_size, cfg.model.text.context_length
-        generator = torch.Generator().manual_seed(0)
-        labels = torch.arange(batch) % CLASSES
-        palette = torch.randint(0, 256, (CLASSES, 3, 1, 1), generator=generator).float()
-        noise = torch.randn(batch, 3, size, size, generator=generator) * 20
-        images = (palette[labels] + noise).clamp(0, 255).to(torch.uint8)
-        tokens = torch.zeros(batch, context, dtype=torch.long)
-        tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 1000 + labels, 49407
-        return OnDeviceBatches({"images": images.to(self.device), "tokens": tokens.to(self.device)})
+
+def trainer_on(cfg, device: str, loader) -> Trainer:
+    """The Trainer of `cfg`, its batches from `loader` instead of the webdataset loader."""
+    return Trainer(cfg, cfg.trainer.run_dir, DistInfo(0, 1, 0, torch.device(device)),
+                   functools.partial(image_text_parts, loader=loader))
 
 
 def losses(tmp_path, model: str, device: str, compile_: bool, steps: int = 50, nudge_weights: bool = False,
@@ -49,7 +56,7 @@ def losses(tmp_path, model: str, device: str, compile_: bool, steps: int = 50, n
         "optim.lr=1e-4", "optim.grad_clip_norm=1.0", "model.ls_init_value=0.1", *overrides,
     ])
     torch.manual_seed(0)
-    trainer = LearnableBatchTrainer(cfg, str(run_dir), DistInfo(0, 1, 0, torch.device(device)))
+    trainer = trainer_on(cfg, device, itertools.repeat(learnable_batch(cfg, device)))
     if nudge_weights:
         with torch.no_grad():
             generator = torch.Generator(device).manual_seed(1)

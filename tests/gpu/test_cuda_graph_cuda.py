@@ -6,21 +6,12 @@ show. Compiled with torch's fused AdamW, and eager with StableAdamW's Triton ste
 import pytest
 import torch
 
-from src.parallel.distributed import DistInfo
+from src.compose import compose_config
 from src.trainer.cuda_graph import WARMUP_STEPS
-from tests.gpu.test_compile_equivalence import LearnableBatchTrainer, compose_config
+from tests.gpu.test_compile_equivalence import learnable_batch, trainer_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 STEPS = 12
-
-
-class AlternatingBatchTrainer(LearnableBatchTrainer):
-    """The learnable batch and its mirror image, in turns; each step gets fresh tensors, as from a loader."""
-
-    def build_loader(self):
-        batch = super().build_loader().batch
-        self.turns = [batch, {**batch, "images": batch["images"].flip(-1)}]
-        return ({name: value.clone() for name, value in b.items()} for b in self.turns * STEPS)
 
 
 def run(tmp_path, name: str, *overrides: str) -> tuple[torch.Tensor, float, object, list]:
@@ -33,11 +24,14 @@ def run(tmp_path, name: str, *overrides: str) -> tuple[torch.Tensor, float, obje
     ])
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
-    trainer = AlternatingBatchTrainer(cfg, str(run_dir), DistInfo(0, 1, 0, torch.device("cuda")))
+    # The learnable batch and its mirror image, in turns; each step gets fresh tensors, as from a loader.
+    batch = learnable_batch(cfg, "cuda")
+    turns = [batch, {**batch, "images": batch["images"].flip(-1)}]
+    trainer = trainer_on(cfg, "cuda", ({name: value.clone() for name, value in b.items()} for b in turns * STEPS))
     values = [trainer.train_step(next(trainer.loader)) for _ in range(STEPS)]
     losses = torch.stack([v["loss"] for v in values]).float().cpu()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    graphed, turns = trainer.graphed, trainer.turns
+    graphed = trainer.graphed
     del trainer
     torch.cuda.empty_cache()
     return losses, peak, graphed, turns

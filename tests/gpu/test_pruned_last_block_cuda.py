@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench.throughput import compose_config
+from src.compose import compose_config
 from src.models import build_model
 from src.parallel.parallelize import apply_compile
 
