@@ -61,8 +61,9 @@ def autocast_dtype(dtype: str) -> torch.dtype | None:
 
 
 class Loader(Protocol):
-    """Batches of device-ready tensors (and host-side bookkeeping). A run that checkpoints also needs the
-    loader's `state_dict`/`load_state_dict`, `bad_counts()` and `epoch`, as `TrainLoader` has them."""
+    """An endless iterator of batches (tensors by name, on the host or the device). A run that trains with `fit`
+    also needs `state_dict`/`load_state_dict` (checkpoints), `bad_counts()` and `epoch` (metrics), as
+    `TrainLoader` has them; stepping `train_step` by hand needs only batches."""
 
     def __next__(self) -> dict[str, torch.Tensor]: ...
 
@@ -86,6 +87,11 @@ class TrainParts:
 
 
 BuildParts = Callable[[TrainConfig, DistInfo], TrainParts]
+
+
+def shards_model(cfg: TrainConfig, dist_info: DistInfo) -> bool:
+    """Whether FSDP2 shards the model. One rank has nothing to shard: it runs the plain model, as DDP does."""
+    return cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
 
 
 def build_model(cfg: TrainConfig, architecture: Callable[[], nn.Module]) -> nn.Module:
@@ -121,7 +127,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
         )
     normalize = image_normalizer(cfg, device)
     # Under FSDP2 every forward needs every rank's shards, so all ranks evaluate the same data and rank 0 logs.
-    sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
+    sharded = shards_model(cfg, dist_info)
 
     def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         images = normalize(batch["images"].to(device, non_blocking=True))
@@ -154,8 +160,7 @@ class Trainer:
         self.autocast_dtype = autocast_dtype(cfg.precision.dtype)
         self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
         check_data_parallel(cfg.trainer.data_parallel, video=bool(cfg.data.frames))
-        # One rank has nothing to shard: it runs the plain model, as DDP does.
-        self.sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
+        self.sharded = shards_model(cfg, dist_info)
         self.parts = build_parts(cfg, dist_info)
         self.model, self.loader = self.parts.model, self.parts.loader
         if cfg.trainer.compile:
