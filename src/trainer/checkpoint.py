@@ -17,6 +17,7 @@ FSDP2, DDP and single-process runs, at any world size the loader allows.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pickle
 import re
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from src.parallel.distributed import any_rank, barrier, broadcast_object
-from src.trainer.state import SHARED_FILES, TrainState
+from src.trainer.state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DEBRIS = re.compile(r"^step_\d+\.(tmp|deleting)$")  # left by a save or a prune that was killed
@@ -192,8 +193,7 @@ def load_train_state(path: str, state: TrainState, *, rank: int) -> None:
             f"{path!r} has no state for rank {rank}: it was saved with fewer ranks; resume with the world size it "
             "was saved with"
         )
-    files = {stem: load_file(path, stem) for stem in SHARED_FILES}
-    state.load(files, load_file(path, f"rank_{rank}"))
+    state.load(functools.partial(load_file, path), f"rank_{rank}")
 
 
 def load_file(directory: str, stem: str) -> dict:

@@ -12,6 +12,7 @@ once. The layout on disk (src/trainer/checkpoint.py) is fixed by the checkpoints
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,7 +86,7 @@ class TrainState:
 
     def shared_files(self) -> dict[str, dict[str, Any]]:
         """File stem -> contents, for rank 0 to write. Collective under FSDP2 (the model and optimizer are
-        gathered): every rank calls it; ranks other than 0 get empty states."""
+        gathered): every rank calls it, and under FSDP2 ranks other than 0 get empty states."""
         model = self.model.state_dict()
         shared = {name: part.state_dict() for name, part in self.shared.items()}
         return {MODEL_FILE: model, SHARED_FILE: {**shared, **self.progress.state_dict()}}
@@ -93,12 +94,15 @@ class TrainState:
     def rank_file(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self.per_rank.items()}
 
-    def load(self, files: dict[str, dict[str, Any]], rank_file: dict[str, Any]) -> None:
-        """`files`: what `shared_files` gave (read back on every rank); `rank_file`: this rank's."""
-        self.model.load_state_dict(files[MODEL_FILE])
-        shared = files[SHARED_FILE]
+    def load(self, read: Callable[[str], dict[str, Any]], rank_file: str) -> None:
+        """Restore every part; `read(stem)` gives a file's contents, `rank_file` is this rank's file stem. One file
+        at a time, so the host holds one of them, not all (a large model's optimizer state is twice its size)."""
+        self.model.load_state_dict(read(MODEL_FILE))
+        shared = read(SHARED_FILE)
         for name, part in self.shared.items():
             part.load_state_dict(shared[name])
         self.progress.load_state_dict(shared)
+        del shared
+        mine = read(rank_file)
         for name, part in self.per_rank.items():
-            part.load_state_dict(rank_file[name])
+            part.load_state_dict(mine[name])
