@@ -45,12 +45,12 @@ Two shims let OpenCLIP's pipeline run in our environment; the result JSON record
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import io
 import json
 import math
-import dataclasses
 import os
 import platform
 import random

@@ -50,12 +50,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import io
 import json
 import math
 import multiprocessing
-import dataclasses
 import os
 import platform
 import queue
