@@ -297,7 +297,7 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         return {"positions": list(self.positions), "batches": self.batches, "bad": list(self.bad),
-                "world_size": self.world_size, "mode": self.cfg.mode}
+                "world_size": self.world_size, "mode": str(self.cfg.mode)}
 
     def load_state_dict(self, state: dict) -> None:
         if self._iterator is not None:
