@@ -25,12 +25,11 @@ from src.optim.scalers import build_scaler
 from src.parallel.distributed import DistInfo, all_reduce_mean, barrier
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint, faults
-from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
+from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
 from src.trainer.preemption import Preemption
-from src.trainer.preflight import check_data_parallel
 from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
 
@@ -78,7 +77,6 @@ class Trainer:
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.precision.dtype]
         self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
         self.check_config()
-        check_data_parallel(cfg.trainer.data_parallel, video=bool(cfg.data.frames))
         # One rank has nothing to shard: it runs the plain model, as DDP does.
         self.sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
         # Same seed on every rank for identical initial weights; per-rank streams afterwards.
@@ -100,7 +98,6 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors)
         self.graphed = None
         if cfg.trainer.cuda_graph:
-            check_cuda_graph(self.device, dist_info.world_size, cfg.precision.scaler)
             self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device)
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
@@ -117,7 +114,8 @@ class Trainer:
         if cfg.trainer.resume:
             self.resume(cfg.trainer.resume)
         self.metrics = MetricLogger(
-            run_dir, cfg.logger, enabled=dist_info.is_main, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            run_dir, cfg.logger, enabled=dist_info.is_main,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
             start_step=self.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
             repeat_eval=self.eval_pending,
         )
