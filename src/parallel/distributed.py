@@ -137,6 +137,17 @@ def all_reduce_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None) -> to
     return x if group is None else _AllReduce.apply(x, group)
 
 
+def all_gather_columns(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate the `x` of every rank of `group` along dim 1, without gradient; the ranks' column counts may
+    differ. `x` itself for None (a single process, as in `Mesh`) or a group of one."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    # Shares may differ in size, which the tensor collectives do not allow: they travel as objects.
+    shares: list[torch.Tensor] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, x, group=group)
+    return torch.cat(shares, dim=1)
+
+
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         x = x.clone()
