@@ -6,7 +6,8 @@ consecutive, so they share a node (they exchange activations every layer), and t
 index form a data-parallel group. The ranks of one sequence-parallel group load the same clips (the loader
 runs with rank = dp rank, world = dp size) and each encodes its contiguous share of the frames.
 
-A group of None is a single process (the Mesh of an unlaunched run), never "all ranks".
+Here a group of None is a single process (the groups of an unlaunched run's Mesh), never "all ranks" as it is
+for torch.distributed's collectives.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 
 def check_sp_size(sp_size: int, world_size: int) -> None:
+    """Preflight's rule for `trainer.sp_size`, which `Mesh.build` also applies."""
     if sp_size < 1 or world_size % sp_size:
         raise ValueError(
             f"trainer.sp_size={sp_size} does not divide the world size {world_size}: a clip's frames are split "
