@@ -18,6 +18,7 @@ from src.config import ModelConfig, TrainConfig
 from src.data.loader import check_batch_size
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
+from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
 
@@ -69,14 +70,6 @@ def check_heads(model: ModelConfig, video: bool) -> None:
            for width_key, width, heads_key, heads in towers if heads < 1 or width % heads]
     if bad:
         raise ValueError("; ".join(bad) + ": set heads to a divisor of the width (heads of 64 channels are usual)")
-
-
-def check_sp_size(sp_size: int, world_size: int) -> None:
-    if sp_size < 1 or world_size % sp_size:
-        raise ValueError(
-            f"trainer.sp_size={sp_size} does not divide the world size {world_size}: a clip's frames are split "
-            f"over sp_size ranks, so set it to a divisor of {world_size}"
-        )
 
 
 def check_data_parallel(data_parallel: str, video: bool) -> None:
