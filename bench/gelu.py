@@ -9,9 +9,9 @@ shapes of the throughput benchmark, taking turns in the same rounds:
 
     python bench/gelu.py [--iters 10] [--rounds 3]
 
-h is bf16 and its gradient bf16, as under autocast. Session 12's profiles had Inductor's GELU kernels at about half
-the memory bandwidth (docs/BENCHMARKS.md). If `exact` is well behind `tanh` and `square`, the erf is what costs,
-and `rational` shows how much of it a cheaper erf wins back.
+h is bf16 and its gradient bf16, as under autocast. Profiles of 2026-11-30 had Inductor's GELU kernels at about
+half the memory bandwidth (docs/benchmarks-history.md, GELU). If `exact` is well behind `tanh` and `square`, the
+erf is what costs, and `rational` shows how much of it a cheaper erf wins back.
 """
 
 from __future__ import annotations

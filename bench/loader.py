@@ -45,6 +45,7 @@ Two shims let OpenCLIP's pipeline run in our environment; the result JSON record
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import io
@@ -74,7 +75,7 @@ from torchvision.transforms.v2 import functional as TF
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
-from src.config import DataConfig  # noqa: E402
+from bench.throughput import compose_config  # noqa: E402
 from src.data.image_text import decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.tools.shard_writer import Row, make_shards  # noqa: E402
@@ -218,8 +219,9 @@ def jpeg_bytes(pattern: str) -> list[bytes]:
 
 
 def ours(pattern: str, batch: int, workers: int, shuffle_buffer: int, seed: int) -> tuple[Iterator, dict]:
-    cfg = DataConfig(name="bench", shards=pattern, mode="epoch", batch_size=batch, num_workers=workers,
-                     shuffle_buffer=shuffle_buffer, crop_scale_min=CROP_SCALE_MIN)
+    cfg = dataclasses.replace(compose_config(["data=laion_wds"]).data, name="bench", shards=pattern, mode="epoch",
+                              batch_size=batch, num_workers=workers, shuffle_buffer=shuffle_buffer,
+                              crop_scale_min=CROP_SCALE_MIN)
     loader = TrainLoader(cfg, image_size=IMAGE_SIZE, context_length=CONTEXT_LENGTH, seed=seed)
     return (b["images"] for b in loader), {}
 

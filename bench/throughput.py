@@ -52,6 +52,7 @@ from src.parallel.distributed import DistInfo  # noqa: E402
 from src.tools.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
 from src.trainer.loss import clip_loss  # noqa: E402
+from src.trainer.preflight import preflight  # noqa: E402
 from src.trainer.trainer import Trainer, image_text_parts  # noqa: E402
 
 OPENCLIP_NAMES = {"vit_b32": "ViT-B-32", "vit_b16": "ViT-B-16", "vit_l14": "ViT-L-14", "vit_huge": "ViT-H-14"}
@@ -195,9 +196,11 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     if end_to_end:
         cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
+    dist_info = DistInfo(0, 1, 0, device)
+    preflight(cfg, dist_info, run_dir)  # what train.py refuses, before any work
     parts = image_text_parts if end_to_end else functools.partial(
         image_text_parts, loader=itertools.repeat(on_device_batch(cfg, device)))
-    trainer = Trainer(cfg, run_dir, DistInfo(0, 1, 0, device), parts)
+    trainer = Trainer(cfg, run_dir, dist_info, parts)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)

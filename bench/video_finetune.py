@@ -26,12 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.throughput import compose_config  # noqa: E402
 from src.config import ModelConfig  # noqa: E402
 from src.data.image_text import ImageNormalizer  # noqa: E402
 from src.models.cross_attention import ENGINES  # noqa: E402
@@ -44,10 +44,10 @@ SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE
 
 
 def model_config(name: str) -> ModelConfig:
-    preset = OmegaConf.load(os.path.join(ROOT, "configs", "model", f"{name}.yaml"))
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
+    cfg = compose_config([f"model={name}"]).model
     cfg.video.text_queries = "all"
     cfg.video.vision_trainable_blocks = -1
+    cfg.video.image_text_weight = 0.0
     return cfg
 
 

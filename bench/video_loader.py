@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import io
 import json
@@ -79,7 +80,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 import src.data.loader as loader_module  # noqa: E402
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
-from src.config import DataConfig  # noqa: E402
+from bench.throughput import compose_config  # noqa: E402
 from src.data.image_text import crop, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.data.video_text import segment_times  # noqa: E402
@@ -96,7 +97,7 @@ PHOTOS = {
     "chelsea": "a tabby cat looking to the side, the camera moving closer and away",
 }
 CONTEXT_LENGTH = 77
-CROP_SCALE_MIN = DataConfig(name="bench").crop_scale_min  # our loader's default
+CROP_SCALE_MIN = compose_config([]).data.crop_scale_min  # our loader's default
 PIPELINES = {
     "a": "(a) mp4, seek per frame",
     "b": "(b) mp4 in shard",
@@ -289,8 +290,8 @@ def seek_batches(paths: list[str], args: argparse.Namespace, workers: int) -> It
 
 
 def loader_batches(pattern: str, args: argparse.Namespace, workers: int) -> Iterator[torch.Tensor]:
-    cfg = DataConfig(name="v", shards=pattern, frames=args.T, batch_size=args.batch, num_workers=workers,
-                     shuffle_buffer=args.shuffle_buffer)
+    cfg = dataclasses.replace(compose_config(["data=laion_wds"]).data, name="v", shards=pattern, frames=args.T,
+                              batch_size=args.batch, num_workers=workers, shuffle_buffer=args.shuffle_buffer)
     for batch in TrainLoader(cfg, image_size=args.size, context_length=CONTEXT_LENGTH, seed=args.seed):
         yield batch["images"]
 
@@ -313,7 +314,8 @@ def tiny_mp4(frames: int = 24, size: int = 64) -> bytes:
 
 def _probe_child(path: str, frames: int, size: int, answer: multiprocessing.Queue) -> None:
     try:
-        cfg = DataConfig(name="probe", shards=path, frames=frames, batch_size=2, num_workers=0, shuffle_buffer=1)
+        cfg = dataclasses.replace(compose_config(["data=laion_wds"]).data, name="probe", shards=path, frames=frames,
+                                  batch_size=2, num_workers=0, shuffle_buffer=1)
         images = next(TrainLoader(cfg, image_size=size, context_length=CONTEXT_LENGTH, seed=0))["images"]
         expected = (2, frames, 3, size, size)
         ok = tuple(images.shape) == expected and images.dtype == torch.uint8

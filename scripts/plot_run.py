@@ -20,10 +20,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from src.config import SpikesConfig
 from src.jsonl import JsonlError, iter_jsonl
 
-DEFAULT_RMS_THRESHOLD = SpikesConfig().rms_threshold
+SPIKES_YAML = Path(__file__).resolve().parents[1] / "configs" / "spikes" / "default.yaml"
+DEFAULT_RMS_THRESHOLD = yaml.safe_load(SPIKES_YAML.read_text())["rms_threshold"]
 LOSS, RMS, LR, SCALE = "train/loss", "optim/rms/patch_embed", "train/lr", "scaler/scale"
 
 

@@ -1,18 +1,18 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
-The YAML files under `configs/` are merged onto `TrainConfig`, so a misspelled key or a value of the
-wrong type fails when the config is composed, with Hydra's error naming the key. Defaults and the
-one-line meaning of each key live in the YAML files; the dataclasses only fix names and types.
+The YAML files under `configs/` are merged onto `TrainConfig`, so a misspelled key, a value of the wrong type
+or a choice outside its Enum fails when the config is composed, with the error naming the key. Every default
+and the one-line meaning of each key live in the YAML files (tests/test_config_defaults.py enforces it); the
+dataclasses only fix names and types and hold no values of their own, so a config is built by composing it
+(src.trainer.run, tests/conftest.py's compose_config), never by calling a dataclass with partial arguments.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
 
 class Choice(str, Enum):
@@ -137,183 +137,183 @@ class WandbMode(Choice):
 
 @dataclass
 class VisionConfig:
-    image_size: int = 224
-    patch_size: int = 16
-    width: int = 768
-    layers: int = 12
-    heads: int = 12
-    mlp_ratio: float = 4.0
-    patch_dropout: float = 0.0
+    image_size: int
+    patch_size: int
+    width: int
+    layers: int
+    heads: int
+    mlp_ratio: float
+    patch_dropout: float
 
 
 @dataclass
 class TextConfig:
-    context_length: int = 77
-    vocab_size: int = 49408
-    width: int = 512
-    layers: int = 12
-    heads: int = 8
-    mlp_ratio: float = 4.0
+    context_length: int
+    vocab_size: int
+    width: int
+    layers: int
+    heads: int
+    mlp_ratio: float
 
 
 @dataclass
 class VideoConfig:
     """The video-language model on top of CLIP (src/models/video_clip.py); read when data.frames > 0."""
 
-    head: str = "xattn"
-    frame_tokens: str = "patches"
-    text_queries: str = "all"
-    head_layers: int = 2
-    head_heads: int = 8
-    head_mlp_ratio: float = 4.0
-    head_ls_init: float = 0.0
-    head_impl: str = "lv_xattn"
-    head_recompute: bool = True
-    vision_trainable_blocks: int = -1
-    video_text_weight: float = 1.0
-    image_text_weight: float = 0.0
+    head: VideoHead
+    frame_tokens: FrameTokens
+    text_queries: TextQueries
+    head_layers: int
+    head_heads: int
+    head_mlp_ratio: float
+    head_ls_init: float
+    head_impl: XAttnImpl
+    head_recompute: bool
+    vision_trainable_blocks: int
+    video_text_weight: float
+    image_text_weight: float
 
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
-    embed_dim: int = 512
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    text: TextConfig = field(default_factory=TextConfig)
-    ls_init_value: float | None = 0.0
-    quick_gelu: bool = False
-    init_logit_scale: float = math.log(1 / 0.07)
-    max_logit_scale: float = math.log(100)
-    grad_checkpointing: bool = False  # the older spelling of checkpoint_policy=full; old configs still compose
-    checkpoint_policy: str = "none"
-    checkpoint_every: int = 1
-    attention_backend: str = "auto"
-    residual_norm: str = "auto"
-    gelu: str = "auto"
-    prune_last_block: bool = True
-    linear: str = "standard"
-    linear_backend: str = "cuda"
-    fp8_fast_accum: bool = True
-    init_from: str | None = None
-    video: VideoConfig = field(default_factory=VideoConfig)
+    name: str
+    embed_dim: int
+    vision: VisionConfig
+    text: TextConfig
+    ls_init_value: float | None
+    quick_gelu: bool
+    init_logit_scale: float
+    max_logit_scale: float
+    grad_checkpointing: bool
+    checkpoint_policy: CheckpointPolicy
+    checkpoint_every: int
+    attention_backend: AttentionBackend
+    residual_norm: ResidualNorm
+    gelu: GeluForm
+    prune_last_block: bool
+    linear: Linear
+    linear_backend: LinearBackend
+    fp8_fast_accum: bool
+    init_from: str | None
+    video: VideoConfig
 
 
 @dataclass
 class SourceConfig:
-    shards: str = MISSING
-    weight: float = 1.0
+    shards: str
+    weight: float
 
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
-    shards: str | None = None
-    sources: list[SourceConfig] = field(default_factory=list)
-    mode: str = "epoch"
-    samples_per_epoch: int | None = None
-    max_bad_fraction: float = 0.01
-    shard_retries: int = 2
-    eval_shards: str | None = None
-    batch_size: int = 256
-    num_workers: int | None = None
-    shuffle_buffer: int = 1000
-    crop_scale_min: float = 0.9
-    frames: int = 0
-    generate: bool = False
-    generate_train_samples: int = 0
-    generate_eval_samples: int = 0
-    generate_seed: int = 0
-    hflip: bool = True
+    name: str
+    shards: str | None
+    sources: list[SourceConfig]
+    mode: DataMode
+    samples_per_epoch: int | None
+    max_bad_fraction: float
+    shard_retries: int
+    eval_shards: str | None
+    batch_size: int
+    num_workers: int | None
+    shuffle_buffer: int
+    crop_scale_min: float
+    frames: int
+    generate: bool
+    generate_train_samples: int
+    generate_eval_samples: int
+    generate_seed: int
+    hflip: bool
 
 
 @dataclass
 class OptimConfig:
-    name: str = MISSING
-    lr: float = 5e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-6
-    weight_decay: float = 0.2
-    clip_threshold: float = 1.0
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.0
-    grad_clip_norm: float | None = None
+    name: OptimizerName
+    lr: float
+    betas: list[float]
+    eps: float
+    weight_decay: float
+    clip_threshold: float
+    warmup_steps: int
+    min_lr_ratio: float
+    grad_clip_norm: float | None
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = MISSING
-    dtype: str = "bf16"
-    scaler: str = "none"
-    fixed_scale: float = 65536.0
+    name: str
+    dtype: Dtype
+    scaler: Scaler
+    fixed_scale: float
 
 
 @dataclass
 class SpikesConfig:
     """Loss/RMS spike heuristics of Wortsman et al. 2023 (appendix); used by src.trainer.spikes."""
 
-    enabled: bool = True
-    rms_threshold: float = 2.3
-    loss_std_factor: float = 3.2
-    window: int = 100
-    ignore_first: int = 1000
-    merge_within: int = 10
-    attribution_min: int = 1
-    attribution_max: int = 8
-    alert: bool = True
-    alert_wait_s: int = 300
+    enabled: bool
+    rms_threshold: float
+    loss_std_factor: float
+    window: int
+    ignore_first: int
+    merge_within: int
+    attribution_min: int
+    attribution_max: int
+    alert: bool
+    alert_wait_s: int
 
 
 @dataclass
 class EvalConfig:
-    every: int = 500
-    batch_size: int = 256
-    zeroshot: bool = True
-    retrieval: bool = True
+    every: int
+    batch_size: int
+    zeroshot: bool
+    retrieval: bool
 
 
 @dataclass
 class TrainerConfig:
-    seed: int = 0
-    max_steps: int = 1000
-    stop_at_step: int | None = None
-    log_every: int = 10
-    ckpt_every: int = 500
-    keep_last_k: int = 3
-    resume: str | None = None
-    run_dir: str | None = None
-    device: str = "auto"
-    compile: bool = False
-    cuda_graph: bool = False
-    dry_run: bool = False
-    progress: bool = True
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    resume_required: bool = False
-    preempt_deadline_s: float = 120.0
-    max_nonfinite_steps: int | None = 20
-    sp_size: int = 1
-    data_parallel: str = "ddp"
+    seed: int
+    max_steps: int
+    stop_at_step: int | None
+    log_every: int
+    ckpt_every: int
+    keep_last_k: int
+    resume: str | None
+    run_dir: str | None
+    device: Device
+    compile: bool
+    cuda_graph: bool
+    dry_run: bool
+    progress: bool
+    eval: EvalConfig
+    resume_required: bool
+    preempt_deadline_s: float
+    max_nonfinite_steps: int | None
+    sp_size: int
+    data_parallel: DataParallel
 
 
 @dataclass
 class LoggerConfig:
-    name: str = MISSING
-    wandb: bool = False
-    project: str = "stableclip"
-    entity: str | None = None
-    mode: str = "offline"
-    run_name: str | None = None
+    name: str
+    wandb: bool
+    project: str
+    entity: str | None
+    mode: WandbMode
+    run_name: str | None
 
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    optim: OptimConfig = MISSING
-    precision: PrecisionConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    logger: LoggerConfig = MISSING
-    spikes: SpikesConfig = field(default_factory=SpikesConfig)
-    experiment_name: str = "default"
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    precision: PrecisionConfig
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    spikes: SpikesConfig
+    experiment_name: str
 
 
 def register_configs() -> None:

@@ -9,7 +9,7 @@ from src.parallel.distributed import DistInfo
 from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
 from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
-from tests.conftest import compose_config, data_overrides
+from tests.conftest import compose_config, data_overrides, run_train
 from tests.reliability.launch import check_no_recorded_step
 
 STEPS = 7
@@ -101,8 +101,10 @@ def test_a_step_that_cannot_be_recorded_says_how_to_turn_it_off():
 
 
 def test_what_a_recorded_step_cannot_do_is_refused_with_the_fix(shapes, tmp_path):
-    with pytest.raises(ValueError, match="records CUDA kernels, but the trainer runs on cpu"):
-        build_trainer(shapes, tmp_path, "trainer.cuda_graph=true")
+    # train.py refuses it before any work (its preflight), with the fix.
+    with pytest.raises(AssertionError, match="records CUDA kernels, but the trainer runs on cpu"):
+        run_train(["experiment=quickstart", *data_overrides(shapes), f"trainer.run_dir={tmp_path / 'run'}",
+                   "trainer.cuda_graph=true"])
     cfg = compose_config(["experiment=quickstart", "trainer.cuda_graph=true"])
     with pytest.raises(ValueError, match="(?s)cannot run:.*trainer.cuda_graph=true records CUDA kernels"):
         preflight(cfg, DistInfo(0, 1, 0, torch.device("cpu")), str(tmp_path))

@@ -4,6 +4,7 @@ import os
 import random
 import shutil
 import tarfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,11 +14,12 @@ from src.data import reader as reader_module
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.tools.synthetic_shapes import draw_sample, where
+from tests.conftest import compose_config
 
 
 def data_config(shards: str | None, batch_size: int, num_workers: int, shuffle_buffer: int = 50, **kw) -> DataConfig:
-    return DataConfig(name="test", shards=shards, batch_size=batch_size, num_workers=num_workers,
-                      shuffle_buffer=shuffle_buffer, **kw)
+    return replace(compose_config(["data=laion_wds"]).data, name="test", shards=shards, batch_size=batch_size,
+                   num_workers=num_workers, shuffle_buffer=shuffle_buffer, **kw)
 
 
 def loader(shapes, batch_size=100, num_workers=2, rank=0, world_size=2, seed=0) -> TrainLoader:

@@ -21,7 +21,6 @@ from src.parallel.distributed import DistInfo
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer.loss import clip_loss
 from src.trainer.trainer import Trainer
-from src.trainer.video_trainer import video_parts
 from tests.conftest import compose_config, data_overrides
 from tests.test_distributed import BATCH, batch_and_model
 
@@ -246,12 +245,3 @@ def test_fsdp2_trains_like_ddp_and_checkpoints_move_between_them(shapes, tmp_pat
     for fsdp2, ddp in (("fsdp2", "ddp"), ("fsdp2_adamw", "ddp_adamw"), ("to_fsdp2", "ddp"), ("to_ddp", "fsdp2")):
         for stem in ("model", "train_state"):
             assert_same_tensors(load(dirs[fsdp2], STEPS, stem), load(dirs[ddp], STEPS, stem), f"{fsdp2}/{stem}")
-
-
-def test_bad_data_parallel_values_fail_with_the_choices(tmp_path):
-    cfg = compose_config(["model=vit_tiny", "data=synthetic_shapes", "trainer.data_parallel=zero3"])
-    with pytest.raises(ValueError, match="trainer.data_parallel='zero3' is not one of ddp, fsdp2"):
-        Trainer(cfg, str(tmp_path), DistInfo(0, 1, 0, torch.device("cpu")))
-    cfg = compose_config(["experiment=video_finetune", "trainer.data_parallel=fsdp2"])
-    with pytest.raises(ValueError, match="fsdp2 does not support video fine-tuning"):
-        Trainer(cfg, str(tmp_path), DistInfo(0, 1, 0, torch.device("cpu")), video_parts)

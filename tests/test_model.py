@@ -6,7 +6,7 @@ import torch
 from open_clip.model import CLIP as OpenCLIP
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
-from src.config import ModelConfig, TextConfig, VisionConfig
+from src.config import ModelConfig
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
 from src.models.transformer import Attention, Block, LayerScale
 from src.optim.param_groups import param_groups_for_weight_decay
@@ -14,11 +14,10 @@ from tests.conftest import compose_config
 
 
 def tiny_config(ls_init_value=0.0) -> ModelConfig:
-    return ModelConfig(
-        name="tiny", embed_dim=32, ls_init_value=ls_init_value,
-        vision=VisionConfig(image_size=32, patch_size=8, width=48, layers=2, heads=3),
-        text=TextConfig(context_length=16, width=32, layers=2, heads=2),
-    )
+    sizes = "name=tiny embed_dim=32 vision.width=48 vision.layers=2 vision.heads=3 text.width=32 text.layers=2"
+    cfg = compose_config(["model=vit_tiny", *(f"model.{size}" for size in sizes.split()), "model.text.heads=2"]).model
+    cfg.ls_init_value = ls_init_value
+    return cfg
 
 
 def tiny_openclip(ls_init_value=None) -> OpenCLIP:

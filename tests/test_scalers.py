@@ -1,17 +1,24 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
-from src.config import OptimConfig, PrecisionConfig
+from src.config import OptimConfig
 from src.optim import build_optimizer, param_groups_for_weight_decay
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import DynamicScaler, FixedScaler, build_scaler
 from src.optim.stable_adamw import StableAdamW
+from tests.conftest import compose_config
 
 CPU = torch.device("cpu")
+
+
+def optim_config(name: str, **values) -> OptimConfig:
+    """optim=adamw's values, the ones these tests were written against, under another optimizer's name."""
+    return replace(compose_config(["optim=adamw"]).optim, name=name, **values)
 
 
 def two_layer_model() -> nn.Module:
@@ -29,7 +36,7 @@ def backward_with_inf(model: nn.Module, scaler, poisoned: nn.Parameter) -> None:
 def test_fixed_scaler_skips_only_the_tensor_with_an_inf(optim):
     model = two_layer_model()
     scaler = FixedScaler(65536.0, CPU)
-    optimizer = build_optimizer(OptimConfig(name=optim, lr=1e-2), model, per_tensor_skips=True)
+    optimizer = build_optimizer(optim_config(optim, lr=1e-2), model, per_tensor_skips=True)
     assert isinstance(optimizer, StableAdamW)
     # One clean step first, so that the skipped tensor has moments that must stay untouched.
     scaler.scale(model(torch.randn(3, 4)).square().mean()).backward()
@@ -48,7 +55,7 @@ def test_fixed_scaler_skips_only_the_tensor_with_an_inf(optim):
 
 def test_fixed_scaler_adamw_mode_equals_torch_adamw():
     ours, theirs = two_layer_model(), two_layer_model()
-    a = build_optimizer(OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1), ours, per_tensor_skips=True)
+    a = build_optimizer(optim_config("adamw", lr=1e-2, weight_decay=0.1), ours, per_tensor_skips=True)
     b = torch.optim.AdamW(param_groups_for_weight_decay(theirs, 0.1), lr=1e-2, betas=(0.9, 0.98), eps=1e-6)
     scaler = FixedScaler(1024.0, CPU)
     for _ in range(20):
@@ -66,7 +73,7 @@ def test_fixed_scaler_adamw_mode_equals_torch_adamw():
 def test_dynamic_scaler_skips_the_whole_step_and_backs_off():
     model = two_layer_model()
     scaler = DynamicScaler(CPU)
-    optimizer = build_optimizer(OptimConfig(name="adamw", lr=1e-2), model)
+    optimizer = build_optimizer(optim_config("adamw", lr=1e-2), model)
     before = [p.detach().clone() for p in model.parameters()]
     backward_with_inf(model, scaler, model[1].weight)
     scale = scaler.current_scale().item()
@@ -78,16 +85,16 @@ def test_dynamic_scaler_skips_the_whole_step_and_backs_off():
 
 def test_scaler_config_errors():
     with pytest.raises(ValueError, match="precision.dtype=fp16 needs a loss scaler"):
-        build_scaler(PrecisionConfig(name="fp16", dtype="fp16", scaler="none"), CPU)
+        build_scaler(replace(compose_config(["precision=fp16"]).precision, dtype="fp16", scaler="none"), CPU)
     with pytest.raises(ValueError, match="precision.scaler='static' is not one of"):
-        build_scaler(PrecisionConfig(name="fp16", dtype="fp16", scaler="static"), CPU)
+        build_scaler(replace(compose_config(["precision=fp16"]).precision, dtype="fp16", scaler="static"), CPU)
 
 
 def test_unknown_and_cpu_only_optimizers_fail_clearly():
     with pytest.raises(ValueError, match="optim.name='sgd' is not a known optimizer"):
-        build_optimizer(OptimConfig(name="sgd"), two_layer_model())
+        build_optimizer(optim_config("sgd"), two_layer_model())
     with pytest.raises(ValueError, match="adamw8bit .* runs on CUDA only"):
-        build_optimizer(OptimConfig(name="adamw8bit"), two_layer_model())
+        build_optimizer(optim_config("adamw8bit"), two_layer_model())
 
 
 def test_update_rms_of_torch_adamw_matches_the_formula():

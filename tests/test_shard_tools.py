@@ -9,16 +9,17 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from src.config import DataConfig
 from src.data.loader import TrainLoader
 from src.data.shards import expand_shards
 from src.tools.shard_inspect import inspect_shards
 from src.tools.shard_writer import InputError, encode_image, make_shards, read_captions
+from tests.conftest import compose_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD = {"corrupt.jpg": "failed_to_decode", "truncated.jpg": "failed_to_decode", "missing.jpg": "failed_to_read"}
@@ -183,7 +184,8 @@ def test_make_shards_cli_downscales_and_reports(images, cli_packed):
 
 
 def test_trainer_loader_reads_the_shards(cli_packed):
-    cfg = DataConfig(name="t", shards=pattern_of(cli_packed[0]), batch_size=4, num_workers=0, shuffle_buffer=1)
+    cfg = replace(compose_config(["data=laion_wds"]).data, name="t", shards=pattern_of(cli_packed[0]), batch_size=4,
+                  num_workers=0, shuffle_buffer=1)
     batch = next(iter(TrainLoader(cfg, image_size=32, context_length=16, seed=0)))
     assert batch["images"].shape == (4, 3, 32, 32) and batch["tokens"].shape == (4, 16)
 
@@ -299,7 +301,8 @@ def test_photo_shards_every_sample_once_per_epoch_across_2_ranks_x_2_workers(cli
     expected = {k for url in expand_shards(pattern) for k in shard_sample_keys(url)}
     seen: dict[int, list[str]] = {}
     for rank in range(2):
-        cfg = DataConfig(name="t", shards=pattern, batch_size=2, num_workers=2, shuffle_buffer=2)
+        cfg = replace(compose_config(["data=laion_wds"]).data, name="t", shards=pattern, batch_size=2, num_workers=2,
+                      shuffle_buffer=2)
         loader = TrainLoader(cfg, image_size=32, context_length=16, seed=0, rank=rank, world_size=2)
         for _ in range(3 * len(expected)):  # batch 1 per rank: the batch's position is its sample's epoch
             batch = next(loader)

@@ -1,11 +1,13 @@
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from src.config import SpikesConfig as SpikeConfig
 from src.trainer.spikes import SpikeDetector
+from tests.conftest import compose_config
 
 N_STEPS = 3000
 SPIKE = 1.0  # ~30 running std above the mean: unmistakable
@@ -65,7 +67,7 @@ def spiky_series() -> tuple[np.ndarray, np.ndarray]:
 
 
 def cfg(**overrides) -> SpikeConfig:
-    return SpikeConfig(**overrides)
+    return replace(compose_config([]).spikes, **overrides)
 
 
 def test_no_false_positives_on_clean_series():

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from open_clip.tokenizer import decode
 from torch.nn.parallel import DistributedDataParallel
 
-from src.config import DataConfig, VideoConfig
+from src.config import ModelConfig, VideoConfig
 from src.data.loader import TrainLoader
 from src.models.video_clip import VideoCLIP, build_video_model
 from src.parallel.distributed import all_gather_with_grad
@@ -23,15 +23,18 @@ from src.tools.synthetic_videos import DIRECTIONS, make_synthetic_video_shards
 from src.trainer.checkpoint import save_checkpoint
 from src.trainer.pretrained import load_pretrained
 from src.trainer.video_trainer import video_text_loss
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, compose_config, run_train
 from tests.test_model import tiny_config, tiny_openclip
 
 FRAMES, BATCH = 4, 4
+# The head these tests were written against: smaller than model.video's defaults, every token a query, all trained.
+VIDEO_AS_TESTED = dict(head_heads=2, head_layers=1, text_queries="all", vision_trainable_blocks=-1,
+                       image_text_weight=0.0)
 
 
-def video_config(**video) -> object:
+def video_config(**video) -> ModelConfig:
     cfg = tiny_config()
-    cfg.video = VideoConfig(head_heads=2, head_layers=1, **video)
+    cfg.video = dataclasses.replace(cfg.video, **{**VIDEO_AS_TESTED, **video})
     return cfg
 
 
@@ -212,8 +215,9 @@ def centroid_x_y(frame: np.ndarray) -> np.ndarray:
 def test_training_clips_move_as_their_captions_say_anywhere_in_the_frame(video_shards):
     """data.hflip=false: no clip is mirrored (that would turn "moving left" into a clip moving right); and the
     generated shapes cross the frame at random rows and columns, so averaged frames do not give the axis away."""
-    cfg = DataConfig(name="v", shards=video_shards["shards"], batch_size=32, num_workers=0, frames=FRAMES,
-                     hflip=False, crop_scale_min=0.9)
+    cfg = dataclasses.replace(compose_config(["data=laion_wds"]).data, name="v", shards=video_shards["shards"],
+                              batch_size=32, num_workers=0, shuffle_buffer=1000, frames=FRAMES, hflip=False,
+                              crop_scale_min=0.9)
     batch = next(TrainLoader(cfg, image_size=32, context_length=16, seed=0))
     across = []
     for clip, tokens in zip(batch["images"].numpy(), batch["tokens"]):

@@ -1,6 +1,7 @@
 import io
 import random
 import tarfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from src.data.video_text import TooFewFrames, decode_clip, segment_indices
 from src.tools.shard_writer import read_captions
 from src.tools.synthetic_videos import make_synthetic_videos
 from src.tools.video_pack import pack_videos
+from tests.conftest import compose_config
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,8 @@ def clip_shards(tmp_path_factory):
 
 
 def video_config(pattern: str, frames: int = 4) -> DataConfig:
-    return DataConfig(name="video", shards=pattern, batch_size=4, num_workers=0, shuffle_buffer=2, frames=frames)
+    return replace(compose_config(["data=laion_wds"]).data, name="video", shards=pattern, batch_size=4, num_workers=0,
+                   shuffle_buffer=2, frames=frames)
 
 
 def test_loader_yields_uint8_clips(clip_shards):
@@ -82,8 +85,9 @@ def mp4_shard(tmp_path_factory):
 
 
 def test_mp4_in_shard_clips_decode_in_the_loader(mp4_shard):
-    loader = TrainLoader(DataConfig(name="v", shards=mp4_shard, batch_size=5, num_workers=0, shuffle_buffer=1,
-                                    frames=4), image_size=32, context_length=16, seed=0)
+    cfg = replace(compose_config(["data=laion_wds"]).data, name="v", shards=mp4_shard, batch_size=5, num_workers=0,
+                  shuffle_buffer=1, frames=4)
+    loader = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
     batch = next(loader)
     assert batch["images"].shape == (5, 4, 3, 32, 32) and "000000002" not in batch["keys"]
     assert loader.bad_counts() == {"corrupt_image": 1}  # the truncated mp4

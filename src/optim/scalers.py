@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from src.config import PrecisionConfig
+from src.config import PrecisionConfig, Scaler
 from src.optim.factory import optimizer_step
 from src.optim.stable_adamw import StableAdamW
 
-SCALERS = ("none", "dynamic", "fixed")
+SCALERS = Scaler.values()
 
 
 class NoScaler:

@@ -113,6 +113,41 @@ def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None
     return _AllGather.apply(x, group)
 
 
+class _AllReduce(torch.autograd.Function):
+    """Sum over the ranks of `group`. Backward sums every rank's gradient of the result, the exact adjoint, so
+    gradients stay exact when each rank computes its own copy of the loss (docs/video.md, "Parallelism")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of the `x` of every rank of `group`, with gradient; `x` itself for None (a single process, as
+    in `Mesh`)."""
+    return x if group is None else _AllReduce.apply(x, group)
+
+
+def all_gather_columns(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate the `x` of every rank of `group` along dim 1, without gradient; the ranks' column counts may
+    differ. `x` itself for None (a single process, as in `Mesh`) or a group of one."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    # Shares may differ in size, which the tensor collectives do not allow: they travel as objects.
+    shares: list[torch.Tensor] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, x, group=group)
+    return torch.cat(shares, dim=1)
+
+
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         x = x.clone()

@@ -1,9 +1,13 @@
-"""The data-parallel × sequence-parallel layout of the ranks (`trainer.sp_size`).
+"""The data-parallel × sequence-parallel layout of the ranks (`trainer.sp_size`), and how the ranks of a group
+share out work.
 
 Rank r sits at (dp, sp) = (r // sp_size, r % sp_size): the ranks of one sequence-parallel group are
 consecutive, so they share a node (they exchange activations every layer), and the ranks with the same sp
 index form a data-parallel group. The ranks of one sequence-parallel group load the same clips (the loader
 runs with rank = dp rank, world = dp size) and each encodes its contiguous share of the frames.
+
+Here a group of None is a single process (the groups of an unlaunched run's Mesh), never "all ranks" as it is
+for torch.distributed's collectives.
 """
 
 from __future__ import annotations
@@ -12,7 +16,33 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from src.trainer.preflight import check_sp_size
+
+def check_sp_size(sp_size: int, world_size: int) -> None:
+    """Preflight's rule for `trainer.sp_size`, which `Mesh.build` also applies."""
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(
+            f"trainer.sp_size={sp_size} does not divide the world size {world_size}: a clip's frames are split "
+            f"over sp_size ranks, so set it to a divisor of {world_size}"
+        )
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks of `group`; 1 for None (a single process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def share_sizes(count: int, group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """How many of `count` items each rank of `group` takes, in rank order (earlier ranks get the remainder)."""
+    base, extra = divmod(count, group_size(group))
+    return tuple(base + (rank < extra) for rank in range(group_size(group)))
+
+
+def share(count: int, group: dist.ProcessGroup | None) -> slice:
+    """This rank's contiguous share of `count` items split over `group`; everything without a group."""
+    sizes = share_sizes(count, group)
+    rank = 0 if group is None else dist.get_rank(group)
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from src.config import SpikesConfig
 class SpikeDetector:
     """Feed one (step, loss, patch-embedding RMS) triple per logged step; get back new events."""
 
-    def __init__(self, config: SpikesConfig | None = None) -> None:
-        self.config = config or SpikesConfig()
+    def __init__(self, config: SpikesConfig) -> None:
+        self.config = config
         if self.config.window < 2:
             raise ValueError(f"window must be >= 2 to have a standard deviation, got {self.config.window}")
         self._losses: deque[float] = deque(maxlen=self.config.window)

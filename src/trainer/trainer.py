@@ -31,12 +31,11 @@ from src.optim.scalers import build_scaler
 from src.parallel.distributed import DistInfo, all_reduce_mean, barrier
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
-from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
+from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
 from src.trainer.preemption import Preemption
-from src.trainer.preflight import check_data_parallel
 from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
 from src.trainer.state import Progress, RNGState, TrainState
@@ -159,7 +158,6 @@ class Trainer:
         self.device = dist_info.device
         self.autocast_dtype = autocast_dtype(cfg.precision.dtype)
         self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
-        check_data_parallel(cfg.trainer.data_parallel, video=bool(cfg.data.frames))
         self.sharded = shards_model(cfg, dist_info)
         self.parts = build_parts(cfg, dist_info)
         self.model, self.loader = self.parts.model, self.parts.loader
@@ -180,7 +178,6 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors)
         self.graphed = None
         if cfg.trainer.cuda_graph:
-            check_cuda_graph(self.device, dist_info.world_size, cfg.precision.scaler)
             self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device)
         self.scheduler = build_scheduler(
             self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
@@ -199,7 +196,8 @@ class Trainer:
             self.resume(cfg.trainer.resume)
         # Its files are cut back to the resumed step: nothing of it needs saving.
         self.metrics = MetricLogger(
-            run_dir, cfg.logger, enabled=dist_info.is_main, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            run_dir, cfg.logger, enabled=dist_info.is_main,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
             start_step=self.progress.step, max_steps=cfg.trainer.max_steps, progress=cfg.trainer.progress,
             repeat_eval=self.progress.eval_pending,
         )

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from src.data.loader import eval_batches
 from src.models.video_clip import VideoCLIP
+from src.parallel.distributed import all_gather_columns
 from src.trainer.evaluate import recall_at
 
 KS = (1, 5, 10)
@@ -63,10 +64,6 @@ def evaluate_video(
             rows.append(model.score(all_visual[start : start + chunk], video[start : start + chunk], all_queries,
                                     all_weights, text, group).float().cpu())
     scores = torch.cat(rows)
-    if group is not None and dist.get_world_size(group) > 1:
-        # Each rank scored its own share of the captions; shares may differ in size, so gather as objects.
-        shares: list[torch.Tensor] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(shares, scores, group=group)
-        scores = torch.cat(shares, dim=1)
+    scores = all_gather_columns(scores, group)  # each rank scored its own share of the captions
     model.train(was_training)
     return {**retrieval_metrics(scores, ""), **mean_pool}

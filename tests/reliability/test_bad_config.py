@@ -12,7 +12,7 @@ BAD = {
     "model.linear=switchback_fp8": "model.linear=switchback_fp8 with the cuda backend needs a CUDA GPU",
     "trainer.resume_required=true": "holds no complete checkpoint, and trainer.resume_required=true",
     "model.vision.heads=5": "model.vision.width=96 is not divisible by model.vision.heads=5",
-    "optim.name=sgd": "optim.name='sgd' is not a known optimizer",
+    "trainer.log_every=0": "trainer.log_every=0 is out of range: set it to at least 1",
 }
 
 

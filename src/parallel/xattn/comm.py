@@ -16,7 +16,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # One row per rank of the shape exchange; a mismatch in any field but the two lengths is an error.
 FIELDS = ("Sq_local", "Skv_local", "B", "H", "Hkv", "D", "dtype", "key_padding_mask", "segment_ids")
 
-# PyTorch 2.14 renamed these (and deprecated the old names); 2.11, which the GPU image has, knows only the old.
+# PyTorch 2.14 renamed these (and deprecated the old names); earlier releases know only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -180,7 +180,7 @@ def block_backward(
         padded[..., :sq] = lse
         seed, offset = q.new_zeros((), dtype=torch.long), q.new_zeros((), dtype=torch.long)
         # The kernel reads O with packed heads ([B, S, H, D] memory, as its forward writes it); any other
-        # layout gives wrong dQ and dK (measured on an H200, torch 2.11).
+        # layout gives wrong dQ and dK (measured on an H200).
         packed_out = out.transpose(1, 2).contiguous().transpose(1, 2)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, _repeat_heads(k, heads), _repeat_heads(v, heads), _additive_bias(visible, q), packed_out,
