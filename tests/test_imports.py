@@ -21,6 +21,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 ALLOWED = {
     "config": set(),
     "jsonl": set(),
+    "compose": {"config"},
     "kernels": {"config", "models"},
     "parallel": {"config", "kernels", "models"},
     "models": {"config", "kernels", "parallel"},
