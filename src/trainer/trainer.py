@@ -194,7 +194,7 @@ class Trainer:
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         if cfg.trainer.resume:
             self.resume(cfg.trainer.resume)
-        # Its files are cut back to the resumed step: nothing of it needs saving.
+        # The metrics logger cuts its files back to the resumed step: it has no state of its own to save.
         self.metrics = MetricLogger(
             run_dir, cfg.logger, enabled=dist_info.is_main,
             config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
