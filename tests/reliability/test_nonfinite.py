@@ -4,7 +4,7 @@ injected into a real training process through the STABLECLIP_FAULT_LOSS / STABLE
 
 import torch
 
-from tests.reliability.harness import BATCH, LEDGER, Training, read_metrics, run_args
+from tests.reliability.harness import BATCH, LEDGER, STEPS, Training, read_metrics, run_args
 
 
 def saved(run_dir, step: int, stem: str) -> dict:
@@ -23,7 +23,9 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(shapes, 
     run_dir = tmp_path / "run"
     bad = {2: "nan", 3: "inf", 6: "nan", 7: "nan", 8: "inf", 9: "nan"}  # 2-3 are survived; 6-9 are 4 in a row
     training = Training(
-        run_args(shapes, run_dir, "trainer.ckpt_every=1", "trainer.keep_last_k=0", "trainer.max_nonfinite_steps=3"),
+        # Every checkpoint kept (one a step): the states before and after the skipped steps are compared.
+        run_args(shapes, run_dir, "trainer.ckpt_every=1", f"trainer.keep_last_k={STEPS}",
+                 "trainer.max_nonfinite_steps=3"),
         tmp_path / "log.txt", env={"STABLECLIP_FAULT_LOSS": ",".join(f"{s}:{v}" for s, v in bad.items())},
     )
     assert training.wait() == 1
@@ -49,7 +51,7 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(shapes, 
 def test_fixed_scaler_skips_a_single_bad_tensor_alone(shapes, tmp_path):
     run_dir = tmp_path / "run"
     training = Training(
-        run_args(shapes, run_dir, "precision.scaler=fixed", "trainer.ckpt_every=1", "trainer.keep_last_k=0",
+        run_args(shapes, run_dir, "precision.scaler=fixed", "trainer.ckpt_every=1", f"trainer.keep_last_k={STEPS}",
                  "trainer.stop_at_step=5"),
         tmp_path / "log.txt", env={"STABLECLIP_FAULT_GRAD": "3:visual.conv1.weight"},
     )
