@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMS = ("auto", "erf", "rational")
-
 _P = 0.3275911
 _A1, _A2, _A3, _A4, _A5 = 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429
 _SQRT_HALF = 0.7071067811865476
@@ -71,8 +69,9 @@ def rational_gelu(h: torch.Tensor) -> torch.Tensor:
     return _RationalGELU.apply(h)
 
 
-class GELU(nn.Module):
-    """nn.GELU (the exact form) whose Φ is evaluated as `form` says; no parameters, so state dicts do not change."""
+class GELU(nn.GELU):
+    """nn.GELU (the exact form) whose Φ is evaluated as `form` (a GeluForm value) says; no parameters, so state
+    dicts do not change."""
 
     def __init__(self, form: str = "erf"):
         super().__init__()

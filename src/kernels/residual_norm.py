@@ -37,7 +37,6 @@ ROWS = 32  # rows per program: fewer partial column sums to write and add, again
 # stages ran 1.07x as fast as 4 warps without pipelining at ViT-H/14's width and 1.14x at ViT-L/14's.
 WARPS = 8
 STAGES = 3
-MODES = ("auto", "fused", "unfused")
 
 
 def applies(x: torch.Tensor, a: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
+from src.kernels.dispatch import apply_kernels
 from src.models.clip import build_model
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
@@ -83,7 +84,7 @@ class Trainer:
         self.sharded = cfg.trainer.data_parallel == "fsdp2" and dist_info.world_size > 1
         # Same seed on every rank for identical initial weights; per-rank streams afterwards.
         torch.manual_seed(cfg.trainer.seed)
-        self.model = self.build_model()
+        self.model = apply_kernels(self.build_model(), cfg.model)
         if cfg.trainer.compile:
             apply_compile(self.model)
         torch.manual_seed(cfg.trainer.seed + dist_info.rank)
