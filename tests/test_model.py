@@ -7,6 +7,7 @@ from open_clip.model import CLIP as OpenCLIP
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from src.config import ModelConfig, TextConfig, VisionConfig
+from src.kernels.dispatch import build_model_with_kernels
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
 from src.models.transformer import Attention, Block, LayerScale
 from src.optim.param_groups import param_groups_for_weight_decay
@@ -169,7 +170,7 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     auto = build_model(tiny_config(ls_init_value=0.1))
     config = tiny_config(ls_init_value=0.1)
     config.attention_backend = "math"
-    restricted = build_model(config)
+    restricted = build_model_with_kernels(config)
     restricted.load_state_dict(auto.state_dict())
     assert all(a.backend == "math" for a in restricted.modules() if isinstance(a, Attention))
     images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16))
@@ -177,7 +178,7 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     config.attention_backend = "fastest"
     with pytest.raises(ValueError,
                        match="model.attention_backend='fastest' is not one of auto, triton_short, triton_tiled, flash"):
-        build_model(config)
+        build_model_with_kernels(config)
 
 
 def _captions(count: int, length: int) -> torch.Tensor:
@@ -252,8 +253,8 @@ def test_compiled_clip_runs_every_kind_of_block_call_compiled(monkeypatch):
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
     torch.manual_seed(0)
-    eager = build_model(tiny_config(ls_init_value=0.3))
-    compiled = build_model(tiny_config(ls_init_value=0.3))
+    eager = build_model_with_kernels(tiny_config(ls_init_value=0.3))
+    compiled = build_model_with_kernels(tiny_config(ls_init_value=0.3))
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

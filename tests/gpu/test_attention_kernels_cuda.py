@@ -10,7 +10,8 @@ from src.kernels.attention import short as short_attention_module
 from src.kernels.attention import tiled as tiled_attention_module
 from src.kernels.attention.short import short_attention
 from src.kernels.attention.tiled import tiled_attention
-from src.models.transformer import Transformer, sdpa_attention, set_attention_backend
+from src.kernels.dispatch import set_attention_backend
+from src.models.transformer import Transformer, sdpa_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -63,7 +63,8 @@ def test_chained_blocks_train_like_unfused_ones(monkeypatch):
     """`auto` at width 1024 with a final norm: the blocks chain (each closing residual fused with the next
     norm) and land as close to float64 as the unfused blocks, output and every gradient."""
     from src.kernels import residual_norm as rn
-    from src.models.transformer import Transformer, set_residual_norm
+    from src.kernels.dispatch import set_residual_norm
+    from src.models.transformer import Transformer
 
     calls, original = [], rn.residual_norm
     monkeypatch.setattr(rn, "residual_norm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
