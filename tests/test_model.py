@@ -291,3 +291,38 @@ def test_compile_cache_key_carries_the_model_code_and_keeps_the_users_tag():
         assert first == torch.compiler.config.cache_key_tag
     mine, ours = first.split(",")
     assert mine == "mine" and ours.startswith("stableclip-models-") and len(ours) == len("stableclip-models-") + 16
+
+
+def test_model_files_import_no_kernel():
+    """src/models/ is the architecture in plain PyTorch: src/kernels/dispatch.py puts the kernels in."""
+    import ast
+    from pathlib import Path
+
+    offending = []
+    for path in sorted((Path(__file__).parents[1] / "src" / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(name == "src.kernels" or name.startswith("src.kernels.") for name in names):
+                offending.append(f"{path.name}:{node.lineno}")
+    assert not offending, f"src/models imports src.kernels at {', '.join(offending)}"
+
+
+def test_apply_kernels_keeps_parameters_state_dict_and_results():
+    from src.kernels.blocks import KernelAttention, KernelBlock, KernelTransformer
+    from src.kernels.dispatch import apply_kernels
+
+    torch.manual_seed(0)
+    config = tiny_config(ls_init_value=0.3)
+    model = build_model(config).eval()
+    images, tokens = torch.randn(2, 3, 32, 32), _captions(2, 16)
+    keys, parameters = model.state_dict().keys(), list(model.parameters())
+    with torch.no_grad():
+        want = model(images, tokens)
+        assert apply_kernels(model, config) is model
+        got = model(images, tokens)
+    assert model.state_dict().keys() == keys and all(p is q for p, q in zip(model.parameters(), parameters))
+    kinds = {type(m) for m in model.modules()}
+    assert {KernelAttention, KernelBlock, KernelTransformer} <= kinds and not kinds & {Attention, Block}
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
