@@ -9,7 +9,7 @@ shapes of the throughput benchmark, taking turns in the same rounds:
 
     python bench/gelu.py [--iters 10] [--rounds 3]
 
-h is bf16 and its gradient bf16, as under autocast. Session 12's profiles had Inductor's GELU kernels at about half
+h is bf16 and its gradient bf16, as under autocast. Step profiles had Inductor's GELU kernels at about half
 the memory bandwidth (docs/BENCHMARKS.md). If `exact` is well behind `tanh` and `square`, the erf is what costs,
 and `rational` shows how much of it a cheaper erf wins back.
 """

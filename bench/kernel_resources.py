@@ -16,7 +16,7 @@ Every row also counts the kernel's SASS instructions. `--gelu` compiles element-
 the count alone (bf16 in and out, 8 elements per thread), forward and backward: the exact GELU with CUDA's erf (the
 arithmetic of F.gelu under torch.compile), with Φ from Abramowitz & Stegun's erf fit (`model.gelu=rational`'s
 arithmetic, its exponential as libdevice's exp2f, which Inductor emits for torch.exp2; `rational_expf`, the same
-fit with libdevice's expf, which Inductor emits for torch.exp, as before session 15) and from Numerical Recipes'
+fit with libdevice's expf, which Inductor emits for torch.exp, the form this fit replaced) and from Numerical Recipes'
 erfc fit, the tanh form, and h·h, which moves the same bytes with almost no arithmetic. Per element, against the
 memory time of its bytes, the count tells whether a kernel is bound by its arithmetic (at about 33.5·10¹² lane-
 instructions/s on an H200).

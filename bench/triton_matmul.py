@@ -2,7 +2,7 @@
 per output tile against a persistent kernel (one program per SM walking the tiles, with and without a flattened
 loop), each with a plain epilogue and with the GELU epilogue (h = x Wᵀ + b and GELU(h) both written).
 
-It is the evidence behind two choices (docs/BENCHMARKS.md, session 8): the int8 SwitchBack matmul is persistent
+It is the evidence behind two choices (docs/BENCHMARKS.md): the int8 SwitchBack matmul is persistent
 with a flattened loop, and the GELU stays in Inductor's element-wise kernels instead of a Triton matmul epilogue.
 
     python bench/triton_matmul.py [--configs 128,256,64,8,3 ...]

@@ -7,7 +7,7 @@ of each (x + ls_2(MLP), then the next block's ln_1).
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
 and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
 the LayerNorm's weight and bias, and the linear layer's bias gradient is one more reduction over da. On ViT-H/14
-those column reductions took about 23 ms of a 704 ms step (docs/BENCHMARKS.md, session 8). Here each program
+those column reductions took about 23 ms of a 704 ms step (docs/BENCHMARKS.md). Here each program
 walks ROWS rows and keeps its column sums in registers, written once as partial sums per program and added up in
 a fixed order (deterministic, no atomics).
 
@@ -42,7 +42,7 @@ STAGES = 3
 def applies(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether `model.residual_norm=auto` takes the fused kernels for (x, a): on a GPU (not the interpreter), at
     every width. On an H200, since the kernels also add the biases of the layers before them, a ViT-B/32 step
-    (widths 768 and 512) ran 1.05x as fast with them as with Inductor's code (docs/BENCHMARKS.md, session 12)."""
+    (widths 768 and 512) ran 1.05x as fast with them as with Inductor's code (docs/BENCHMARKS.md)."""
     return x.device.type == "cuda" and unsupported_reason(x, a) is None
 
 

@@ -5,7 +5,7 @@ as configured by default and compiled with every fusion and fit forced on (`mode
 
 What "within bf16 tolerance" means is measured in the same test: a third, eager run starts from weights moved by
 one bf16 rounding step (a relative 2⁻⁸ up or down), and the compiled run may differ from the eager one by at most
-twice what that run does. A fixed 3% per step failed in session 8 (4.4% at step 17 of 50, both runs ending
+twice what that run does. A fixed 3% per step failed once (4.4% at step 17 of 50, both runs ending
 within 0.2%): on the steep part of the curve, rounding differences grow for a while before the runs meet
 again, by an amount no fixed tolerance captures."""
 
