@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from src.config import AttentionBackend
 from src.kernels import residual_norm
@@ -61,12 +61,7 @@ class KernelAttention(Attention):
         if kernel is not None:
             out = kernel(qkv, self.heads, causal)
         else:
-            backends = ATTENTION_BACKENDS[self.backend]
-            if backends is None:
-                out = sdpa_attention(qkv, self.heads, causal)
-            else:
-                with sdpa_kernel(backends):
-                    out = sdpa_attention(qkv, self.heads, causal)
+            out = sdpa_attention(qkv, self.heads, causal, ATTENTION_BACKENDS[self.backend])
         return self.out_proj(out) if out_bias else linear_without_bias(self.out_proj, out)
 
     def _our_kernel(self, qkv: torch.Tensor):

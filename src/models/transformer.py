@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from src.config import CheckpointPolicy as CheckpointChoice
@@ -88,12 +89,18 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
-def sdpa_attention(qkv: torch.Tensor, heads: int, causal: bool = False) -> torch.Tensor:
+def sdpa_attention(
+    qkv: torch.Tensor, heads: int, causal: bool = False, backends: list[SDPBackend] | None = None
+) -> torch.Tensor:
     """Multi-head self-attention of a fused QKV projection's output [B, L, 3·W] -> [B, L, W], through
-    `F.scaled_dot_product_attention` (the kernel PyTorch picks, or the one an enclosing `sdpa_kernel` allows)."""
+    `F.scaled_dot_product_attention` restricted to `backends` (None: PyTorch's choice)."""
     batch, length, three_width = qkv.shape
     q, k, v = qkv.view(batch, length, 3, heads, three_width // 3 // heads).permute(2, 0, 3, 1, 4)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if backends is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return out.transpose(1, 2).reshape(batch, length, three_width // 3)
 
 
