@@ -326,3 +326,21 @@ def test_apply_kernels_keeps_parameters_state_dict_and_results():
     kinds = {type(m) for m in model.modules()}
     assert {KernelAttention, KernelBlock, KernelTransformer} <= kinds and not kinds & {Attention, Block}
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_public_names_import_from_their_packages_without_triton():
+    """The names a user imports come from the package; importing them loads no Triton (a GPU extra) until a
+    kernel is used."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from src.models import (CLIP, VideoCLIP, build_model, build_video_model, count_parameters,\n"
+            "    load_openclip_checkpoint, load_openclip_state_dict)\n"
+            "import src.kernels\n"
+            "assert 'triton' not in sys.modules, 'importing src.models or src.kernels loaded triton'\n"
+            "from src.kernels import SwitchBackLinear, apply_kernels, convert_to_switchback, switchback_linear\n"
+            "from src.kernels.dispatch import apply_kernels as dispatched\n"
+            "assert apply_kernels is dispatched\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
