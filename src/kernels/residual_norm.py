@@ -1,7 +1,7 @@
 """A residual add and the LayerNorm after it, x1 = x + γ·(a + c) and y = LayerNorm(x1), forward and backward in
 one Triton kernel each, for `model.residual_norm` (`auto` takes them on a GPU; `fused` everywhere they run). c is
 the bias of the linear layer that wrote a, which then runs without it (optional). They run in the middle of each
-transformer block (x + ls_1(attention), then ln_2), and, where Transformer.forward chains the blocks, at the end
+transformer block (x + ls_1(attention), then ln_2), and, where blocks.KernelTransformer chains the blocks, at the end
 of each (x + ls_2(MLP), then the next block's ln_1).
 
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
