@@ -2,6 +2,7 @@
 memory bandwidth: how far from its bytes is the 49 ms that quantization takes of an fp8 ViT-H/14 step?
 
     python bench/quantize_rows.py [--iters 20] [--rounds 3] [--tokens 65792] [--warps 1 2 4 8] [--colsum-rows 8 16 32]
+    TRITON_INTERPRET=1 python bench/quantize_rows.py --check   # the candidate's correctness alone, on the CPU
 
 For each width (1280: X of qkv, out_proj, c_fc and G of out_proj, c_proj; 3840: G of qkv; 5120: X of c_proj and
 G of c_fc), with and without the column sums (the bias gradient, taken with G), every (BLOCK_R, num_warps) in
@@ -14,8 +15,9 @@ are CUDA-event medians (bench/switchback.py's `interleaved_ms`), with the share 
 A candidate is timed too, with and without column sums: `quantize_rows_split`, the same arithmetic with each row
 loaded as two power-of-two pieces (1280 = 1024 + 256, 5120 = 4096 + 1024) instead of one padded to the next power
 of two (2048, 8192), where main's kernel leaves 37.5% of its lanes idle. It is checked against main's kernel (bit
-for bit; the column sums to float rounding) before it is timed, and in CI through the interpreter
-(tests/test_switchback_kernels.py).
+for bit; the column sums to float rounding) before it is timed; `--check` runs only that check, at small shapes
+with zero rows and rounding ties, on a GPU or through Triton's interpreter (as CI runs it:
+tests/test_switchback_kernels.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import triton.language as tl  # noqa: E402
 
 from bench.switchback import interleaved_ms  # noqa: E402
 from src.kernels.switchback import kernels  # noqa: E402
+from src.kernels.triton_interpreter import interpreting  # noqa: E402
 
 WIDTHS = (1280, 3840, 5120)
 
@@ -102,6 +105,34 @@ def quantize_rows_split(x: torch.Tensor, fp8: bool, block_r: int = 1, warps: int
     return q, scale, partial.sum(0) if column_sums else None
 
 
+def check_against_kernel(x: torch.Tensor, fp8: bool, column_sums: bool, block_r: int = 1) -> None:
+    """Raise AssertionError unless quantize_rows_split(x) gives kernels.quantize_rows(x)'s q and scales bit for bit,
+    and its column sums to float rounding."""
+    q, scale, sums = kernels.quantize_rows(x, fp8, column_sums)
+    split_q, split_scale, split_sums = quantize_rows_split(x, fp8, block_r=block_r, column_sums=column_sums)
+    bits = torch.uint8 if fp8 else torch.int8
+    if not (torch.equal(split_q.view(bits), q.view(bits)) and torch.equal(split_scale, scale)):
+        raise AssertionError(f"quantize_rows_split differs from kernels.quantize_rows at shape {tuple(x.shape)}, "
+                             f"fp8={fp8}, column_sums={column_sums}, block_r={block_r}")
+    if column_sums:
+        torch.testing.assert_close(split_sums, sums, rtol=1e-5, atol=1e-3)
+    elif split_sums is not None:
+        raise AssertionError("quantize_rows_split returned column sums it was not asked for")
+
+
+def check(device: torch.device) -> None:
+    """check_against_kernel at small shapes (a row narrower than its first piece, one of two pieces, a block of
+    several rows) of bf16 rows of very different magnitudes, with an all-zero row and values on rounding ties."""
+    for rows, cols, block_r in ((37, 300, 2), (16, 1280, 1), (5, 64, 4), (3, 5, 1)):
+        generator = torch.Generator().manual_seed(rows * cols)
+        x = torch.randn(rows, cols, generator=generator) * torch.rand(rows, 1, generator=generator) * 10
+        x[min(3, rows - 1)] = 0
+        x[0, :4] = torch.tensor([127.0, -63.5, 0.5, 2.5])[:cols]
+        for fp8 in (False, True):
+            for column_sums in (False, True):
+                check_against_kernel(x.to(device, torch.bfloat16), fp8, column_sums, block_r)
+
+
 def with_config(config, rows_per_program: int, fn):
     """fn run with the autotuner held to one config (its cache cleared so that the config is the one used) and
     `rows_per_program` rows behind each partial column sum."""
@@ -138,12 +169,7 @@ def time_width(width: int, colsum: bool, args: argparse.Namespace) -> dict:
                 name = f"r{block_r}_w{warps}" + (f"_p{rows_per_program}" if colsum else "")
                 fns[name] = with_config(triton.Config({"BLOCK_R": block_r}, num_warps=warps), rows_per_program,
                                         quantize)
-    q, scale, sums = kernels.quantize_rows(x, True, colsum)
-    split_q, split_scale, split_sums = quantize_rows_split(x, True, column_sums=colsum)
-    if not (torch.equal(split_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(split_scale, scale)):
-        raise AssertionError(f"quantize_rows_split differs from kernels.quantize_rows at width {width}")
-    if colsum:
-        torch.testing.assert_close(split_sums, sums, rtol=1e-5, atol=1e-3)
+    check_against_kernel(x, True, colsum)
     for block_r in args.rows_per_block:
         for warps in args.warps:
             if block_r * largest_power_of_2(width) <= 128 * 32 * warps and kernels._ROWS_PER_PROGRAM % block_r == 0:
@@ -171,7 +197,13 @@ def main() -> int:
     parser.add_argument("--colsum-rows", nargs="+", type=int, default=[kernels._ROWS_PER_PROGRAM])
     parser.add_argument("--top", type=int, default=6, help="settings printed per shape, fastest first")
     parser.add_argument("--bandwidth", type=float, default=4.8, help="TB/s (H200: 4.8 peak)")
+    parser.add_argument("--check", action="store_true",
+                        help="only check the candidate against the kernel (on the CPU under TRITON_INTERPRET=1)")
     args = parser.parse_args()
+    if args.check:
+        check(torch.device("cpu" if interpreting() else "cuda"))
+        print("quantize_rows_split matches kernels.quantize_rows")
+        return 0
     if not torch.cuda.is_available():
         print("bench/quantize_rows.py needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -28,7 +28,6 @@ change to such a setting can then be timed against the default in one process, w
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import itertools
@@ -75,10 +74,11 @@ def on_device_batch(cfg, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def step_flops(cfg) -> int:
-    """FLOPs of one training step (forward + backward) of the model, counted on the meta device. SwitchBack
-    layers do the same multiply-adds in 8 bits, so they are counted as the standard linear layers they replace;
-    our attention kernels (triton_short, triton_tiled) do SDPA's matmuls, so they are counted as SDPA."""
-    model = build_model(dataclasses.replace(cfg.model, linear="standard", attention_backend="auto"), "meta")
+    """FLOPs of one training step (forward + backward) of the model, counted on the meta device. The plain model
+    (no apply_kernels) stands for every kernel choice: SwitchBack layers do the same multiply-adds in 8 bits as
+    the standard linear layers they replace, and our attention kernels (triton_short, triton_tiled) SDPA's
+    matmuls."""
+    model = build_model(cfg.model, "meta")
     batch, size = cfg.data.batch_size, cfg.model.vision.image_size
     images = torch.empty(batch, 3, size, size, device="meta")
     tokens = torch.zeros(batch, cfg.model.text.context_length, dtype=torch.long, device="meta")

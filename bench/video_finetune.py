@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 from bench.throughput import compose_config  # noqa: E402
 from src.config import ModelConfig  # noqa: E402
 from src.data.image_text import ImageNormalizer  # noqa: E402
+from src.kernels.dispatch import apply_kernels  # noqa: E402
 from src.models.cross_attention import ENGINES  # noqa: E402
 from src.models.video_clip import build_video_model  # noqa: E402
 from src.parallel.mesh import Mesh  # noqa: E402
@@ -55,7 +56,7 @@ def time_impl(args, impl: str, mesh: Mesh, device: torch.device) -> dict:
     cfg = model_config(args.model)
     cfg.video.head_impl = impl
     torch.manual_seed(0)
-    model = build_video_model(cfg, args.frames, device)
+    model = apply_kernels(build_video_model(cfg, args.frames, device), cfg)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
                                   fused=device.type == "cuda")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from src.kernels.dispatch import build_model_with_kernels
 from src.models import build_model
 from src.models.clip import CLIP
 from src.models.cross_attention import saved_activation_bytes
@@ -26,10 +27,11 @@ def weights() -> dict[str, torch.Tensor]:
     return tiny_clip().state_dict()
 
 
-def tiny_clip(policy: str = "none", every: int = 1) -> CLIP:
+def tiny_clip(policy: str = "none", every: int = 1, kernels: bool = True) -> CLIP:
+    """The model as the trainer runs it (apply_kernels), or the plain architecture."""
     # Non-zero layer-scale: at 0 every block is the identity and half its parameters get no gradient.
     cfg = compose_config(["model=vit_tiny", "data=synthetic_shapes", "model.ls_init_value=0.5"]).model
-    model = build_model(cfg)
+    model = build_model_with_kernels(cfg) if kernels else build_model(cfg)
     for tower in (model.visual.transformer, model.transformer):
         tower.set_checkpointing(policy, every)
     return model
@@ -42,8 +44,9 @@ def loss_and_saved_bytes(model: CLIP) -> tuple[torch.Tensor, int]:
     return loss.detach(), saved
 
 
-def run(weights: dict[str, torch.Tensor], policy: str, every: int = 1, backend: str | None = None):
-    model = tiny_clip(policy, every)
+def run(weights: dict[str, torch.Tensor], policy: str, every: int = 1, backend: str | None = None,
+        kernels: bool = True):
+    model = tiny_clip(policy, every, kernels)
     model.load_state_dict(weights)
     if backend:
         for block in model.modules():
@@ -61,9 +64,11 @@ def assert_same(got, want, **tolerance) -> None:
         torch.testing.assert_close(got[1][name], grad, msg=name, **tolerance)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("policy,every", [("full", 1), ("selective", 1), ("full", 2), ("selective", 2)])
-def test_policy_gives_the_loss_and_gradients_of_none(weights, policy, every):
-    assert_same(run(weights, policy, every), run(weights, "none"), rtol=1e-6, atol=1e-7)
+def test_policy_gives_the_loss_and_gradients_of_none(weights, policy, every, kernels):
+    assert_same(run(weights, policy, every, kernels=kernels), run(weights, "none", kernels=kernels),
+                rtol=1e-6, atol=1e-7)
 
 
 def test_selective_keeps_less_than_none_and_more_than_full(weights):
@@ -157,7 +162,7 @@ def test_selective_keeps_switchback_layers_instead_of_rerunning_them(policy, rer
     """A SwitchBack layer is a matmul (a custom op): `selective` keeps its output, as it keeps F.linear's."""
     cfg = compose_config(["model=vit_tiny", "data=synthetic_shapes", "model.ls_init_value=0.5",
                           "model.linear=switchback_int8", "model.linear_backend=reference"]).model
-    model = build_model(cfg)
+    model = build_model_with_kernels(cfg)
     for tower in (model.visual.transformer, model.transformer):
         tower.set_checkpointing(policy)
     loss = clip_loss(*model(IMAGES, TOKENS))

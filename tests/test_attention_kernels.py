@@ -12,7 +12,8 @@ from interpreter_harness import INTERPRETED, ROOT, interpreted, run_under_interp
 
 from src.kernels.attention import short as sa
 from src.kernels.attention import tiled as ta
-from src.models.transformer import Attention, Transformer, sdpa_attention, set_attention_backend
+from src.kernels.dispatch import set_attention_backend
+from src.models.transformer import Attention, Transformer, sdpa_attention
 
 pytest.importorskip("triton")
 

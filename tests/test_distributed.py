@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from src.models import build_model
+from src.kernels.dispatch import build_model_with_kernels
 from src.parallel.distributed import all_reduce_mean
 from src.trainer.loss import clip_loss
 from tests.conftest import data_overrides, run_train
@@ -17,7 +17,7 @@ BATCH = 8
 
 def batch_and_model():
     torch.manual_seed(0)
-    model = build_model(tiny_config(ls_init_value=0.5))
+    model = build_model_with_kernels(tiny_config(ls_init_value=0.5))  # as the trainer runs it
     images = torch.randn(BATCH, 3, 32, 32)
     tokens = torch.randint(1, 1000, (BATCH, 16))
     return model, images, tokens

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from src.kernels.dispatch import build_model_with_kernels, set_gelu
 from src.kernels.gelu import GELU, _cdf_and_density, _RationalGELU, rational_gelu
 from src.models.clip import build_model
-from src.models.transformer import set_gelu
 from tests.conftest import compose_config
 
 
@@ -89,7 +89,7 @@ def test_auto_takes_the_fit_when_compiled():
 
 def test_model_key_sets_every_block_and_keeps_the_state_dict():
     standard = build_model(compose_config(["model=vit_tiny"]).model)
-    rational = build_model(compose_config(["model=vit_tiny", "model.gelu=rational"]).model)
+    rational = build_model_with_kernels(compose_config(["model=vit_tiny", "model.gelu=rational"]).model)
     forms = {m.form for m in rational.modules() if isinstance(m, GELU)}
     assert forms == {"rational"}
     blocks = len(rational.visual.transformer.resblocks) + len(rational.transformer.resblocks)

@@ -24,7 +24,7 @@ ALLOWED = {
     "compose": {"config"},
     "kernels": {"config", "models"},
     "parallel": {"config", "kernels", "models"},
-    "models": {"config", "kernels", "parallel"},
+    "models": {"config", "parallel"},
     "optim": {"config", "kernels", "parallel"},
     "data": {"config"},
     "tools": {"config", "data", "jsonl"},

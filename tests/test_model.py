@@ -7,6 +7,7 @@ from open_clip.model import CLIP as OpenCLIP
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from src.config import ModelConfig
+from src.kernels.dispatch import build_model_with_kernels
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
 from src.models.transformer import Attention, Block, LayerScale
 from src.optim.param_groups import param_groups_for_weight_decay
@@ -168,7 +169,7 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     auto = build_model(tiny_config(ls_init_value=0.1))
     config = tiny_config(ls_init_value=0.1)
     config.attention_backend = "math"
-    restricted = build_model(config)
+    restricted = build_model_with_kernels(config)
     restricted.load_state_dict(auto.state_dict())
     assert all(a.backend == "math" for a in restricted.modules() if isinstance(a, Attention))
     images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 1000, (2, 16))
@@ -176,7 +177,7 @@ def test_attention_backend_restricts_the_kernel_and_keeps_the_result():
     config.attention_backend = "fastest"
     with pytest.raises(ValueError,
                        match="model.attention_backend='fastest' is not one of auto, triton_short, triton_tiled, flash"):
-        build_model(config)
+        build_model_with_kernels(config)
 
 
 def _captions(count: int, length: int) -> torch.Tensor:
@@ -251,8 +252,8 @@ def test_compiled_clip_runs_every_kind_of_block_call_compiled(monkeypatch):
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
     torch.manual_seed(0)
-    eager = build_model(tiny_config(ls_init_value=0.3))
-    compiled = build_model(tiny_config(ls_init_value=0.3))
+    eager = build_model_with_kernels(tiny_config(ls_init_value=0.3))
+    compiled = build_model_with_kernels(tiny_config(ls_init_value=0.3))
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -289,3 +290,56 @@ def test_compile_cache_key_carries_the_model_code_and_keeps_the_users_tag():
         assert first == torch.compiler.config.cache_key_tag
     mine, ours = first.split(",")
     assert mine == "mine" and ours.startswith("stableclip-models-") and len(ours) == len("stableclip-models-") + 16
+
+
+def test_model_files_import_no_kernel():
+    """src/models/ is the architecture in plain PyTorch: src/kernels/dispatch.py puts the kernels in."""
+    import ast
+    from pathlib import Path
+
+    offending = []
+    for path in sorted((Path(__file__).parents[1] / "src" / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(name == "src.kernels" or name.startswith("src.kernels.") for name in names):
+                offending.append(f"{path.name}:{node.lineno}")
+    assert not offending, f"src/models imports src.kernels at {', '.join(offending)}"
+
+
+def test_apply_kernels_keeps_parameters_state_dict_and_results():
+    from src.kernels.blocks import KernelAttention, KernelBlock, KernelTransformer
+    from src.kernels.dispatch import apply_kernels
+
+    torch.manual_seed(0)
+    config = tiny_config(ls_init_value=0.3)
+    model = build_model(config).eval()
+    images, tokens = torch.randn(2, 3, 32, 32), _captions(2, 16)
+    keys, parameters = model.state_dict().keys(), list(model.parameters())
+    with torch.no_grad():
+        want = model(images, tokens)
+        assert apply_kernels(model, config) is model
+        got = model(images, tokens)
+    assert model.state_dict().keys() == keys and all(p is q for p, q in zip(model.parameters(), parameters))
+    kinds = {type(m) for m in model.modules()}
+    assert {KernelAttention, KernelBlock, KernelTransformer} <= kinds and not kinds & {Attention, Block}
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_public_names_import_from_their_packages_without_triton():
+    """The names a user imports come from the package; importing them loads no Triton (a GPU extra) until a
+    kernel is used."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from src.models import (CLIP, VideoCLIP, build_model, build_video_model, count_parameters,\n"
+            "    load_openclip_checkpoint, load_openclip_state_dict)\n"
+            "import src.kernels\n"
+            "assert 'triton' not in sys.modules, 'importing src.models or src.kernels loaded triton'\n"
+            "from src.kernels import SwitchBackLinear, apply_kernels, convert_to_switchback, switchback_linear\n"
+            "from src.kernels.dispatch import apply_kernels as dispatched\n"
+            "assert apply_kernels is dispatched\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
 
 from src.kernels import residual_norm as rn
-from src.models.transformer import Transformer, set_residual_norm
+from src.kernels.dispatch import set_residual_norm
+from src.models.transformer import Transformer
 
 pytest.importorskip("triton")
 from triton.runtime.errors import OutOfResources  # noqa: E402
@@ -171,8 +172,9 @@ def test_blocks_with_the_fused_kernels_train_like_the_unfused_ones(monkeypatch, 
                 block.mlp.c_proj.bias.uniform_(-0.5, 0.5)
         set_residual_norm(transformer, "fused" if fused else "unfused")
         for block in transformer.resblocks:
-            block.register_forward_pre_hook(lambda _, args: normed_dtypes.append(args[2].dtype) if len(args) > 2
-                                            else None)
+            block.register_forward_pre_hook(
+                lambda _, args, kwargs: normed_dtypes.append(kwargs["normed"].dtype) if "normed" in kwargs else None,
+                with_kwargs=True)
         x = torch.randn(3, 7, 32)
         if dtype is None:
             transformer, final_norm, x = transformer.double(), final_norm.double(), x.double()

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
+from src.kernels.dispatch import build_model_with_kernels
 from src.kernels.switchback import VARIANTS, SwitchBackLinear, convert_to_switchback, functions, switchback_linear
 from src.models import build_model
 from src.models.transformer import Attention
@@ -112,7 +113,7 @@ def test_zero_rows_quantize_to_zero_without_nan():
 def switchback_model(variant="switchback_int8", fp8_fast_accum=True):
     config = tiny_config(ls_init_value=0.1)
     config.linear, config.linear_backend, config.fp8_fast_accum = variant, "reference", fp8_fast_accum
-    return build_model(config)
+    return build_model_with_kernels(config)
 
 
 def test_swap_covers_exactly_the_block_linears():

@@ -2,6 +2,11 @@
 (tests/interpreter_harness.py says how): the quantized values and scales are bit for bit those of
 reference.py, and the int8 matmul's float32 output too. The GPU check is tests/gpu/test_switchback_cuda.py."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
@@ -45,23 +50,17 @@ def test_quantize_rows_is_bitwise_the_reference(fp8, dtype, shape):
     torch.testing.assert_close(column_sums, x.float().sum(0), rtol=1e-6, atol=1e-5)
 
 
-@interpreted
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize(("shape", "block_r"), [((37, 300), 2), ((16, 1280), 1), ((5, 64), 4), ((3, 5), 1)])
-@pytest.mark.parametrize("column_sums", [False, True])
-def test_bench_candidate_quantizer_in_two_pieces_is_bitwise_the_kernel(fp8, shape, block_r, column_sums):
+@pytest.mark.skipif(INTERPRETED, reason="runs its own subprocess under the interpreter")
+def test_bench_candidate_quantizer_in_two_pieces_is_bitwise_the_kernel():
     """bench/quantize_rows.py's candidate (each row loaded as two power-of-two pieces) quantizes as the kernel,
-    and sums the columns as it does (the same rows per program)."""
-    from bench.quantize_rows import quantize_rows_split
-
-    x = operand(*shape, torch.bfloat16)
-    q, scale, sums = quantize_rows_split(x, fp8, block_r=block_r, column_sums=column_sums)
-    want_q, want_scale, want_sums = kernels.quantize_rows(x, fp8, column_sums=column_sums)
-    assert torch.equal(as_bits(q), as_bits(want_q)) and torch.equal(scale, want_scale)
-    if column_sums:
-        torch.testing.assert_close(sums, want_sums, rtol=1e-6, atol=1e-5)
-    else:
-        assert sums is None
+    and sums the columns as it does (the same rows per program): the script's own --check, through the
+    interpreter, at several shapes and rows per block, int8 and fp8, with and without column sums."""
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(root / "bench" / "quantize_rows.py"), "--check"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "quantize_rows_split matches kernels.quantize_rows" in result.stdout
 
 
 @interpreted

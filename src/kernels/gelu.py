@@ -11,7 +11,7 @@ per element each way, and written as a power of 2 the exponential is one hardwar
 H100/H200 (`bench/kernel_resources.py --gelu`, with the libdevice functions that Inductor emits), that is 32
 instead of 42 SASS instructions per element forward and 38 instead of 59 backward. On an H200 the compiled GELU,
 forward and backward, ran 1.07–1.41× as fast as F.gelu's at the MLP shapes, and the whole ViT-H/14 step
-1.004–1.006× faster than with torch.exp (docs/BENCHMARKS.md, throughput, sessions 13 and 15).
+1.004–1.006× faster than with torch.exp (docs/BENCHMARKS.md, throughput).
 
 Written in torch ops so that TorchInductor fuses it with what surrounds it (bias, casts), as it does F.gelu. In
 eager mode it is a dozen kernels where F.gelu is one: `model.gelu=auto` takes it only in compiled blocks.
@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMS = ("auto", "erf", "rational")
-
 _P = 0.3275911
 _A1, _A2, _A3, _A4, _A5 = 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429
 _SQRT_HALF = 0.7071067811865476
@@ -40,7 +38,7 @@ def _cdf_and_density(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Φ(z) and φ(z) in float32 from one exponential."""
     t = 1.0 / (1.0 + (_P * _SQRT_HALF) * z.abs())
     # e^{-z²/2} as 2^{-z²/(2 ln 2)}: Inductor emits libdevice's expf for torch.exp, which scales to base 2 and
-    # handles edge cases first; exp2 is one MUFU.EX2. The GELU kernels ran 1.08-1.25x as fast (session 15).
+    # handles edge cases first; exp2 is one MUFU.EX2. The GELU kernels ran 1.08-1.25x as fast.
     density_unscaled = torch.exp2(-_HALF_LOG2_E * z * z)
     # ½·erfc(|z|/√2) = Φ(−|z|), computed directly: 1 − Φ(|z|) would round to 0 in the lower tail.
     lower_tail = 0.5 * t * (_A1 + t * (_A2 + t * (_A3 + t * (_A4 + t * _A5)))) * density_unscaled
@@ -65,14 +63,15 @@ class _RationalGELU(torch.autograd.Function):
 def rational_gelu(h: torch.Tensor) -> torch.Tensor:
     """GELU(h) = h·Φ(h) for 16-bit h, as F.gelu(h) to within 1.5·10⁻⁶ before rounding (float32 arithmetic, output
     in h's dtype). 32- and 64-bit h go to F.gelu: there the fit's error would show, and compiled for CUDA by
-    torch 2.11 (the GPU image's) its float32 gradient came out as zeros (tests/gpu/test_gelu_cuda.py)."""
+    older PyTorch its float32 gradient came out as zeros (tests/gpu/test_gelu_cuda.py)."""
     if h.dtype not in (torch.bfloat16, torch.float16):
         return F.gelu(h)
     return _RationalGELU.apply(h)
 
 
-class GELU(nn.Module):
-    """nn.GELU (the exact form) whose Φ is evaluated as `form` says; no parameters, so state dicts do not change."""
+class GELU(nn.GELU):
+    """nn.GELU (the exact form) whose Φ is evaluated as `form` (a GeluForm value) says; no parameters, so state
+    dicts do not change."""
 
     def __init__(self, form: str = "erf"):
         super().__init__()

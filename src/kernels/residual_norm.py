@@ -1,13 +1,13 @@
 """A residual add and the LayerNorm after it, x1 = x + γ·(a + c) and y = LayerNorm(x1), forward and backward in
 one Triton kernel each, for `model.residual_norm` (`auto` takes them on a GPU; `fused` everywhere they run). c is
 the bias of the linear layer that wrote a, which then runs without it (optional). They run in the middle of each
-transformer block (x + ls_1(attention), then ln_2), and, where Transformer.forward chains the blocks, at the end
+transformer block (x + ls_1(attention), then ln_2), and, where blocks.KernelTransformer chains the blocks, at the end
 of each (x + ls_2(MLP), then the next block's ln_1).
 
 Why: under torch.compile, Inductor computes this backward in one kernel for the rows (the LayerNorm gradient
 and the residual) and re-reads the same tensors in separate column reductions for the gradients of γ and of
 the LayerNorm's weight and bias, and the linear layer's bias gradient is one more reduction over da. On ViT-H/14
-those column reductions took about 23 ms of a 704 ms step (docs/BENCHMARKS.md, session 8). Here each program
+those column reductions took about 23 ms of a 704 ms step (docs/BENCHMARKS.md). Here each program
 walks ROWS rows and keeps its column sums in registers, written once as partial sums per program and added up in
 a fixed order (deterministic, no atomics).
 
@@ -37,13 +37,12 @@ ROWS = 32  # rows per program: fewer partial column sums to write and add, again
 # stages ran 1.07x as fast as 4 warps without pipelining at ViT-H/14's width and 1.14x at ViT-L/14's.
 WARPS = 8
 STAGES = 3
-MODES = ("auto", "fused", "unfused")
 
 
 def applies(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether `model.residual_norm=auto` takes the fused kernels for (x, a): on a GPU (not the interpreter), at
     every width. On an H200, since the kernels also add the biases of the layers before them, a ViT-B/32 step
-    (widths 768 and 512) ran 1.05x as fast with them as with Inductor's code (docs/BENCHMARKS.md, session 12)."""
+    (widths 768 and 512) ran 1.05x as fast with them as with Inductor's code (docs/BENCHMARKS.md)."""
     return x.device.type == "cuda" and unsupported_reason(x, a) is None
 
 

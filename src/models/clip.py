@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config import ModelConfig
-from src.kernels.switchback.convert import check_linear_choice, convert_to_switchback
-from src.models.transformer import Transformer, set_attention_backend, set_gelu, set_residual_norm
+from src.models.transformer import Transformer
 from src.models.vision import VisionTransformer
 
 
@@ -35,12 +34,6 @@ class CLIP(nn.Module):
         self.ln_final = nn.LayerNorm(text.width)
         self.text_projection = nn.Parameter(torch.empty(text.width, cfg.embed_dim))
         self.logit_scale = nn.Parameter(torch.empty(()))
-        # model.grad_checkpointing=true is the older spelling of checkpoint_policy=full; a policy set explicitly wins.
-        legacy = cfg.grad_checkpointing and cfg.checkpoint_policy == "none"
-        self.set_checkpointing("full" if legacy else cfg.checkpoint_policy, cfg.checkpoint_every)
-        set_attention_backend(self, cfg.attention_backend)
-        set_residual_norm(self, cfg.residual_norm)
-        set_gelu(self, cfg.gelu)
         for tower in (self.visual.transformer, self.transformer):
             tower.prune_last_block = cfg.prune_last_block
 
@@ -55,7 +48,7 @@ class CLIP(nn.Module):
         nn.init.constant_(self.logit_scale, self.init_logit_scale)
 
     def set_checkpointing(self, policy: str, every: int = 1) -> None:
-        """Activation checkpointing of both towers' blocks in training (transformer.CHECKPOINT_POLICIES)."""
+        """Activation checkpointing of both towers' blocks in training (Transformer.set_checkpointing)."""
         self.visual.transformer.set_checkpointing(policy, every)
         self.transformer.set_checkpointing(policy, every)
 
@@ -100,13 +93,14 @@ def end_of_text(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
-    """Build on the meta device first so a large model never materialises twice, then initialise.
-    `model.linear` other than standard swaps the transformer blocks' linear layers for SwitchBack."""
+    """The CLIP of `cfg` in plain PyTorch, checkpointed as `model.checkpoint_policy` says: built on the meta device
+    first so a large model never materialises twice, then initialised (left on meta for `device="meta"`).
+    src/kernels/dispatch.py's apply_kernels then picks the kernels it runs."""
     with torch.device("meta"):
         model = CLIP(cfg)
-    if cfg.linear != "standard":
-        check_linear_choice(cfg.linear, cfg.linear_backend, torch.device(device))
-        convert_to_switchback(model, cfg.linear, cfg.linear_backend, cfg.fp8_fast_accum)
+    # model.grad_checkpointing=true is the older spelling of checkpoint_policy=full; a policy set explicitly wins.
+    legacy = cfg.grad_checkpointing and cfg.checkpoint_policy == "none"
+    model.set_checkpointing("full" if legacy else cfg.checkpoint_policy, cfg.checkpoint_every)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         model.init_weights()

@@ -1,5 +1,6 @@
 """How a built model runs on the hardware, kept apart from what it computes (as torchtitan splits model and
-parallelize): regional compilation of the transformer blocks, and FSDP2 sharding."""
+parallelize): regional compilation of the transformer blocks, and FSDP2 sharding. Both come after
+src/kernels/dispatch.py's apply_kernels, which picks the kernels the blocks run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from src.models.transformer import Block, Transformer
+from src.kernels.blocks import KernelTransformer
+from src.models.transformer import Block
 
 
 def blocks(model: nn.Module) -> list[Block]:
@@ -66,7 +68,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     fully_shard cannot shard 0-dim parameters (the logit scale), so they stay whole on every rank and a hook
     averages their gradients over the mesh as DDP would."""
     for tower in model.modules():
-        if isinstance(tower, Transformer):
+        if isinstance(tower, KernelTransformer):
             tower.chain_blocks = False  # the next block's norm is still sharded while a block runs
     for block in blocks(model):
         fully_shard(block, mesh=mesh)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src.config import TrainConfig
 from src.data.image_text import ImageNormalizer
 from src.data.loader import TrainLoader
+from src.kernels.dispatch import apply_kernels
 from src.models import clip
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
@@ -95,9 +96,10 @@ def shards_model(cfg: TrainConfig, dist_info: DistInfo) -> bool:
 
 def build_model(cfg: TrainConfig, architecture: Callable[[], nn.Module]) -> nn.Module:
     """The model a run trains: `architecture()`, initialised from trainer.seed (identical weights on every rank),
-    then loaded with the weights model.init_from names."""
+    run with the kernels model.* picks (src/kernels/dispatch.py), then loaded with the weights model.init_from
+    names."""
     torch.manual_seed(cfg.trainer.seed)
-    model = architecture()
+    model = apply_kernels(architecture(), cfg.model)
     if cfg.model.init_from:
         log.info("model weights from %s", load_pretrained(model, cfg.model.init_from))
     return model

@@ -10,7 +10,8 @@ from src.kernels.attention import short as short_attention_module
 from src.kernels.attention import tiled as tiled_attention_module
 from src.kernels.attention.short import short_attention
 from src.kernels.attention.tiled import tiled_attention
-from src.models.transformer import Transformer, sdpa_attention, set_attention_backend
+from src.kernels.dispatch import set_attention_backend, with_kernel_modules
+from src.models.transformer import Transformer, sdpa_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,7 +57,7 @@ def test_auto_takes_our_kernels_where_they_apply_in_16_bits(monkeypatch):
     for module, name in ((short_attention_module, "short_attention"), (tiled_attention_module, "tiled_attention")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
-    tower = Transformer(128, 1, 2, 4.0, ls_init_value=0.1).cuda()
+    tower = with_kernel_modules(Transformer(128, 1, 2, 4.0, ls_init_value=0.1).cuda())  # attention_backend=auto
     tower.init_weights()
     longest = tiled_attention_module.AUTO_MAX_LENGTH
     for tokens, bf16, expected in ((77, True, ["short_attention"]), (128, True, ["short_attention"]),
@@ -76,7 +77,7 @@ def test_auto_takes_our_kernels_where_they_apply_in_16_bits(monkeypatch):
             tower(torch.randn(4, tokens, 128, device="cuda"), causal=True)
         assert calls == expected, tokens
     # Heads of 80 features (ViT-H/14's) too, as two column blocks.
-    tower = Transformer(160, 1, 2, 4.0, ls_init_value=0.1).cuda()
+    tower = with_kernel_modules(Transformer(160, 1, 2, 4.0, ls_init_value=0.1).cuda())  # attention_backend=auto
     tower.init_weights()
     calls.clear()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):

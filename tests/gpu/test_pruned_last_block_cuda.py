@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from src.compose import compose_config
-from src.models import build_model
+from src.kernels.dispatch import build_model_with_kernels
 from src.parallel.parallelize import apply_compile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -40,11 +40,11 @@ def test_pruned_last_block_is_as_accurate_as_the_whole_block(linear):
         pytest.skip("fp8 needs compute capability 8.9")
     torch.manual_seed(0)
     cfg = compose_config(["model=vit_b32", "model.ls_init_value=0.1", f"model.linear={linear}"]).model
-    reference = build_model(dataclasses.replace(cfg, linear="standard", prune_last_block=False), "cuda")
+    reference = build_model_with_kernels(dataclasses.replace(cfg, linear="standard", prune_last_block=False), "cuda")
     runs = {}
     for prune in (True, False):
         cfg.prune_last_block = prune
-        model = build_model(cfg, "cuda")
+        model = build_model_with_kernels(cfg, "cuda")
         model.load_state_dict(reference.state_dict())
         apply_compile(model)
         runs[prune] = model

@@ -49,11 +49,13 @@ def test_matches_float64_and_is_deterministic(width, dtype, save_sum, with_a_bia
 @pytest.mark.parametrize("width", [512, 768, 1280])
 def test_auto_takes_the_kernels_at_every_width(monkeypatch, width):
     from src.kernels import residual_norm as rn
+    from src.kernels.dispatch import set_residual_norm
     from src.models.transformer import Transformer
 
     calls, original = [], rn.residual_norm
     monkeypatch.setattr(rn, "residual_norm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     tower = Transformer(width=width, layers=1, heads=width // 64, mlp_ratio=1.0, ls_init_value=0.1).cuda()
+    set_residual_norm(tower, "auto")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         tower(torch.randn(2, 7, width, device="cuda"))
     assert calls
@@ -63,7 +65,8 @@ def test_chained_blocks_train_like_unfused_ones(monkeypatch):
     """`auto` at width 1024 with a final norm: the blocks chain (each closing residual fused with the next
     norm) and land as close to float64 as the unfused blocks, output and every gradient."""
     from src.kernels import residual_norm as rn
-    from src.models.transformer import Transformer, set_residual_norm
+    from src.kernels.dispatch import set_residual_norm
+    from src.models.transformer import Transformer
 
     calls, original = [], rn.residual_norm
     monkeypatch.setattr(rn, "residual_norm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))

@@ -13,7 +13,7 @@ Up to 64 tokens the sequence is one tile. Longer ones are a first block of 64 ro
 padded to a power of 2 (FIRST_ROWS): a text tower's 77 causal tokens take 64 + 16 rows, whose score tiles
 (64², 16·64 and 16², the first block's queries skipping the second block's keys) hold a third of a 128 × 128
 tile's, in a program of 4 warps instead of 8. On an H200 that made the compiled ViT-B/32 step 1.012–1.017×
-faster than one tile of 128 (docs/BENCHMARKS.md, session 16).
+faster than one tile of 128 (docs/BENCHMARKS.md).
 
 `model.attention_backend=auto` (the default) takes it wherever it applies: on a CUDA GPU, with 16-bit
 activations (bf16 or fp16 autocast), for sequences of at most 128 tokens; elsewhere PyTorch picks an SDPA
@@ -43,8 +43,8 @@ MAX_LENGTH = 128  # the longest sequence the kernel takes, and the rows of its s
 FIRST_ROWS = 64
 WARPS = None  # warps per program; None: 4 where the first block has at most 64 rows, else 8 (2 spill at 128)
 # The longest sequence `auto` gives it; longer ones go to tiled_attention.py's kernel. On an H200 this kernel beat
-# cuDNN's on CLIP's towers of 50 and 77 tokens (docs/BENCHMARKS.md, session 6), and beat the tiled kernel on the
-# text towers' 77 (session 13; `bench/throughput.py --set "py:src.kernels.attention.short.AUTO_MAX_LENGTH=64"`).
+# cuDNN's on CLIP's towers of 50 and 77 tokens, and beat the tiled kernel on the text towers' 77 (docs/BENCHMARKS.md;
+# `bench/throughput.py --set "py:src.kernels.attention.short.AUTO_MAX_LENGTH=64"`).
 AUTO_MAX_LENGTH = MAX_LENGTH
 
 

@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.config import Linear
 from src.kernels.switchback.functions import VARIANTS, check_backend, switchback_linear
-
-LINEAR_CHOICES = ("standard", *VARIANTS)
 
 
 def check_linear_choice(variant: str, backend: str, device: torch.device) -> None:
+    """Fail with the fix where SwitchBack `variant` (a model.linear other than standard) cannot run with `backend`
+    on `device` (on `meta` only the names are checked)."""
     if variant not in VARIANTS:
-        raise ValueError(f"model.linear={variant!r} is not one of {', '.join(LINEAR_CHOICES)}")
+        raise ValueError(f"model.linear={variant!r} is not one of {', '.join(Linear.values())}")
     if device.type != "meta":
         check_backend(VARIANTS[variant], backend, device)
 

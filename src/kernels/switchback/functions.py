@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from src.config import Linear, LinearBackend
 from src.kernels.autocast import autocast_dtype
 from src.kernels.switchback import kernels
 from src.kernels.switchback import reference as ref
@@ -36,21 +37,21 @@ class Variant:
     save_int8_input: bool
 
 
+# Every model.linear but `standard`, by name.
 VARIANTS = {
     v.name: v for v in (
-        Variant("switchback_int8", False, None, None, False),
-        Variant("switchback_int8_memeff", False, None, None, True),
-        Variant("switchback_int8_vectorwise", False, 1, 0, False),
-        Variant("switchback_fp8", True, None, None, False),
+        Variant(Linear.switchback_int8.value, False, None, None, False),
+        Variant(Linear.switchback_int8_memeff.value, False, None, None, True),
+        Variant(Linear.switchback_int8_vectorwise.value, False, 1, 0, False),
+        Variant(Linear.switchback_fp8.value, True, None, None, False),
     )
 }
-BACKENDS = ("cuda", "reference")
 
 
 def check_backend(variant: Variant, backend: str, device: torch.device) -> None:
     """Fail loudly where a variant cannot run, instead of silently falling back to something slower."""
-    if backend not in BACKENDS:
-        raise ValueError(f"model.linear_backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend not in LinearBackend.values():
+        raise ValueError(f"model.linear_backend={backend!r} is not one of {', '.join(LinearBackend.values())}")
     if backend == "reference":
         return
     kernels.require_triton()
