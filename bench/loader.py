@@ -75,7 +75,7 @@ from torchvision.transforms.v2 import functional as TF
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
-from bench.throughput import compose_config  # noqa: E402
+from src.compose import compose_config  # noqa: E402
 from src.data.image_text import decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.tools.shard_writer import Row, make_shards  # noqa: E402

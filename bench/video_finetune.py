@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.throughput import compose_config  # noqa: E402
+from src.compose import compose_config  # noqa: E402
 from src.config import ModelConfig  # noqa: E402
 from src.data.image_text import ImageNormalizer  # noqa: E402
 from src.kernels.dispatch import apply_kernels  # noqa: E402

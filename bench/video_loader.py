@@ -80,7 +80,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 import src.data.loader as loader_module  # noqa: E402
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
-from bench.throughput import compose_config  # noqa: E402
+from src.compose import compose_config  # noqa: E402
 from src.data.image_text import crop, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.data.video_text import segment_times  # noqa: E402

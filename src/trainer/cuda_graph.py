@@ -2,7 +2,7 @@
 
 A compiled ViT-B/32 step launches about 1,400 kernels. Where the host queues them more slowly than the GPU runs
 them, the GPU waits: on one H200 machine the step took 115 ms, on another, whose host queued it twice as fast,
-108 ms (docs/BENCHMARKS.md, throughput, session 15). A replayed graph is one launch, so the host no longer sets
+108 ms (docs/BENCHMARKS.md, host speed and CUDA graphs). A replayed graph is one launch, so the host no longer sets
 the pace.
 
 What is recorded: image normalization, both towers, the loss, backward, and the gradient norm with its clipping.
