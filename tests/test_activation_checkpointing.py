@@ -5,6 +5,7 @@ import collections
 
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.kernels.dispatch import build_model_with_kernels
@@ -139,10 +140,11 @@ def test_config_keys_reach_every_block(overrides, policies):
         assert [b.checkpoint_policy for b in tower.resblocks] == policies
 
 
-def test_bad_config_value_fails_when_the_model_is_built():
-    cfg = compose_config(["model=vit_tiny", "data=synthetic_shapes", "model.checkpoint_policy=every_2"]).model
-    with pytest.raises(ValueError, match="model.checkpoint_policy='every_2' is not one of none, full, selective"):
-        build_model(cfg, "meta")
+def test_bad_config_value_fails_at_composition_naming_the_choices():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["model=vit_tiny", "data=synthetic_shapes", "model.checkpoint_policy=every_2"])
+    message = str(err.value.__cause__)
+    assert "'every_2'" in message and "expected one of [none, full, selective]" in message
 
 
 class OpCalls(TorchDispatchMode):
