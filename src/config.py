@@ -9,8 +9,14 @@ dataclasses only fix names and types and hold no values of their own, so a confi
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -318,3 +324,80 @@ class TrainConfig:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+@functools.cache
+def schema_keys(schema: type = TrainConfig, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of `schema` and its type; a key typed by a schema is followed by its own keys."""
+    hints = typing.get_type_hints(schema)
+    keys: dict[str, Any] = {}
+    for field in dataclasses.fields(schema):
+        key, hint = prefix + field.name, hints[field.name]
+        keys[key] = hint
+        if dataclasses.is_dataclass(hint):
+            keys.update(schema_keys(hint, key + "."))
+    return keys
+
+
+def closest_key(key: str) -> str | None:
+    """The schema key `key` most likely misspells: the closest whole key, or one whose last part is closest
+    (trainer.lr -> optim.lr); None when nothing is close."""
+    leaf = key.rpartition(".")[2]
+
+    def similarity(candidate: str) -> tuple[float, float]:
+        whole = difflib.SequenceMatcher(None, key, candidate).ratio()
+        last = difflib.SequenceMatcher(None, leaf, candidate.rpartition(".")[2]).ratio() - 0.05
+        return max(whole, last), whole
+
+    best = max(schema_keys(), key=similarity)
+    return best if similarity(best)[0] >= 0.7 else None
+
+
+def unknown_key_message(key: str) -> str:
+    match = closest_key(key)
+    hint = f"did you mean {match}?" if match else "every key is documented in the YAML files under configs/"
+    return f"{key} is not a config key: {hint}"
+
+
+def is_schema_key(key: str) -> bool:
+    """Whether `key` is a key of the schema, or lies inside a list or dictionary value of one."""
+    keys = schema_keys()
+    if key in keys:
+        return True
+    for end, char in enumerate(key):
+        prefix = key[:end]
+        if char in ".[" and prefix in keys and typing.get_origin(keys[prefix]) in (list, dict):
+            return True
+    return False
+
+
+def unknown_override_keys(overrides: list[str], groups: Iterable[str]) -> list[str]:
+    """Messages for command-line overrides whose key the schema lacks, with or without `+` or `++`. Hydra
+    refuses a misspelled key without `+` and suggests adding it with `+`, which it then accepts and which the
+    run would ignore; group choices (model=vit_b32) and hydra's own keys pass. An override that does not parse
+    is left to Hydra's own message."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return []
+    group_names = set(groups)
+    return [unknown_key_message(o.key_or_group) for o in parsed
+            if not o.is_hydra_override() and o.key_or_group not in group_names and not is_schema_key(o.key_or_group)]
+
+
+def unknown_keys(config: Any, prefix: str = "") -> list[str]:
+    """Keys a composed config (a TrainConfig from OmegaConf.to_object) holds beyond its schema: added with `+`
+    or `++`, which OmegaConf accepts even in struct mode and keeps as attributes."""
+    fields = {field.name for field in dataclasses.fields(config)}
+    found = [prefix + name for name in vars(config) if name not in fields]
+    for name in fields:
+        value = getattr(config, name)
+        items = [(f"{name}.", value)] if dataclasses.is_dataclass(value) else (
+            [(f"{name}[{i}].", item) for i, item in enumerate(value) if dataclasses.is_dataclass(item)]
+            if isinstance(value, list) else [])
+        for key_prefix, item in items:
+            found += unknown_keys(item, prefix + key_prefix)
+    return sorted(found)

@@ -9,55 +9,125 @@ loader's batch split, SwitchBack's devices, a CUDA graph's limits) and are calle
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import math
 import os
 from collections.abc import Callable
 from typing import Any
 
-from src.config import ModelConfig, TrainConfig
-from src.data.loader import check_batch_size
+from src.config import ModelConfig, TrainConfig, unknown_key_message, unknown_keys
+from src.data.loader import check_batch_size, resolve_sources
+from src.data.shards import expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
+from src.trainer.pretrained import OPENCLIP, model_file
+
+
+class ConfigurationError(ValueError):
+    """A run that cannot start as configured: the message names every bad key, its value and the fix."""
 
 # (key, holds for a valid value, the valid range in words): numeric keys whose range is plain from their meaning.
+FINITE = math.isfinite
+# (key, holds for a valid value, the valid range in words): every numeric key whose range is plain from its meaning.
+# tests/test_config.py checks that every numeric key of src/config.py has a row, or a check of its own below
+# (trainer.sp_size against the world size, data.sources' weights with the sources).
 RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("model.embed_dim", lambda v: v >= 1, "at least 1"),
+    ("model.vision.image_size", lambda v: v >= 1, "at least 1"),
+    ("model.vision.patch_size", lambda v: v >= 1, "at least 1"),
+    ("model.vision.width", lambda v: v >= 1, "at least 1"),
+    ("model.vision.layers", lambda v: v >= 1, "at least 1"),
+    ("model.vision.heads", lambda v: v >= 1, "at least 1"),
+    ("model.vision.mlp_ratio", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("model.vision.patch_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.text.context_length", lambda v: v >= 2, "at least 2 (start and end of text)"),
+    ("model.text.vocab_size", lambda v: v >= 1, "at least 1"),
+    ("model.text.width", lambda v: v >= 1, "at least 1"),
+    ("model.text.layers", lambda v: v >= 1, "at least 1"),
+    ("model.text.heads", lambda v: v >= 1, "at least 1"),
+    ("model.text.mlp_ratio", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("model.ls_init_value", lambda v: v is None or (FINITE(v) and v >= 0), "a finite number, 0 or more (or null)"),
+    ("model.init_logit_scale", FINITE, "a finite number"),
+    ("model.max_logit_scale", FINITE, "a finite number"),
+    ("model.checkpoint_every", lambda v: v >= 1, "at least 1"),
+    ("model.video.head_layers", lambda v: v >= 0, "0 or more"),
+    ("model.video.head_heads", lambda v: v >= 1, "at least 1"),
+    ("model.video.head_mlp_ratio", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("model.video.head_ls_init", lambda v: FINITE(v) and v >= 0, "a finite number, 0 or more"),
+    ("model.video.vision_trainable_blocks", lambda v: v >= -1, "-1 (all), 0 (frozen) or more"),
+    ("model.video.video_text_weight", lambda v: FINITE(v) and v >= 0, "a finite number, 0 or more"),
+    ("model.video.image_text_weight", lambda v: FINITE(v) and v >= 0, "a finite number, 0 or more"),
+    ("data.samples_per_epoch", lambda v: v is None or v >= 1, "at least 1 (or null: the total from sizes.json)"),
+    ("data.max_bad_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("data.shard_retries", lambda v: v >= 0, "0 or more"),
     ("data.batch_size", lambda v: v >= 1, "at least 1"),
     ("data.num_workers", lambda v: v is None or v >= 0, "0 or more (or null)"),
     ("data.shuffle_buffer", lambda v: v >= 1, "at least 1"),
-    ("data.frames", lambda v: v >= 0, "0 (images) or more"),
     ("data.crop_scale_min", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("data.max_bad_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("data.shard_retries", lambda v: v >= 0, "0 or more"),
-    ("optim.lr", lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
-    ("optim.eps", lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
+    ("data.frames", lambda v: v >= 0, "0 (images) or more"),
+    ("data.generate_train_samples", lambda v: v >= 0, "0 or more"),
+    ("data.generate_eval_samples", lambda v: v >= 0, "0 or more"),
+    ("data.generate_seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    ("optim.lr", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    ("optim.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number, 0 or more"),
+    ("optim.eps", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("optim.weight_decay", lambda v: FINITE(v) and v >= 0, "a finite number, 0 or more"),
+    ("optim.clip_threshold", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("optim.warmup_steps", lambda v: v >= 0, "0 or more"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("optim.grad_clip_norm", lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number above 0 (or null)"),
-    ("precision.fixed_scale", lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
+    ("optim.grad_clip_norm", lambda v: v is None or (FINITE(v) and v > 0), "a finite number above 0 (or null)"),
+    ("precision.fixed_scale", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("spikes.rms_threshold", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("spikes.loss_std_factor", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("spikes.window", lambda v: v >= 2, "at least 2 (a standard deviation needs two losses)"),
+    ("spikes.ignore_first", lambda v: v >= 0, "0 or more"),
+    ("spikes.merge_within", lambda v: v >= 0, "0 or more"),
+    ("spikes.attribution_min", lambda v: v >= 0, "0 or more"),
+    ("spikes.attribution_max", lambda v: v >= 0, "0 or more"),
+    ("spikes.alert_wait_s", lambda v: v >= 0, "0 or more"),
+    # np.random.seed takes 32 bits, and each rank seeds with trainer.seed + its rank.
+    ("trainer.seed", lambda v: 0 <= v < 2**31, "in [0, 2**31)"),
     ("trainer.max_steps", lambda v: v >= 1, "at least 1"),
+    ("trainer.stop_at_step", lambda v: v is None or v >= 1, "at least 1 (or null)"),
     ("trainer.log_every", lambda v: v >= 1, "at least 1"),
     ("trainer.ckpt_every", lambda v: v >= 0, "0 (end only) or more"),
     ("trainer.keep_last_k", lambda v: v >= 1, "at least 1"),
     ("trainer.eval.every", lambda v: v >= 0, "0 (end only) or more"),
     ("trainer.eval.batch_size", lambda v: v >= 1, "at least 1"),
-    ("trainer.preempt_deadline_s", lambda v: v > 0, "above 0"),
+    ("trainer.preempt_deadline_s", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("trainer.max_nonfinite_steps", lambda v: v is None or v >= 0, "0 or more (or null)"),
-    ("model.checkpoint_every", lambda v: v >= 1, "at least 1"),
-    ("model.vision.patch_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 )
+# (keys, holds for valid values, the rule in words): ranges that depend on another key.
+RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
+    (("model.vision.image_size", "model.vision.patch_size"), lambda size, patch: size % patch == 0,
+     "model.vision.image_size must be a multiple of model.vision.patch_size"),
+    (("model.init_logit_scale", "model.max_logit_scale"), lambda init, top: init <= top,
+     "model.init_logit_scale must not exceed model.max_logit_scale (the scale is clamped there after every step)"),
+    (("spikes.attribution_min", "spikes.attribution_max"), lambda low, high: low <= high,
+     "spikes.attribution_min must not exceed spikes.attribution_max"),
+)
+
+
+def value_of(cfg: TrainConfig, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def range_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     for key, valid, allowed in RANGES:
-        value = functools.reduce(getattr, key.split("."), cfg)
+        value = value_of(cfg, key)
         if not valid(value):
             problems.append(f"{key}={value} is out of range: set it to {allowed}")
+    if problems:  # a relation between values already out of range says nothing more (and may divide by 0)
+        return problems
+    for keys, valid, rule in RELATIONS:
+        values = [value_of(cfg, key) for key in keys]
+        if not valid(*values):
+            problems.append(", ".join(f"{k}={v}" for k, v in zip(keys, values)) + f": {rule}")
     return problems
 
 
@@ -67,7 +137,7 @@ def check_heads(model: ModelConfig, video: bool) -> None:
     if video:  # the head's cross-attention runs at the text tower's width
         towers.append(("model.text.width", model.text.width, "model.video.head_heads", model.video.head_heads))
     bad = [f"{width_key}={width} is not divisible by {heads_key}={heads}"
-           for width_key, width, heads_key, heads in towers if heads < 1 or width % heads]
+           for width_key, width, heads_key, heads in towers if heads >= 1 and width % heads]  # RANGES: heads < 1
     if bad:
         raise ValueError("; ".join(bad) + ": set heads to a divisor of the width (heads of 64 channels are usual)")
 
@@ -80,8 +150,71 @@ def check_data_parallel(data_parallel: str, video: bool) -> None:
                          "runs on data- and sequence-parallel groups of its own: use trainer.data_parallel=ddp")
 
 
+def readable(path: str) -> str | None:
+    """Why `path` cannot be read, or None. Opening it and reading one byte is what a reader does first."""
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def check_eval_inputs(cfg: TrainConfig) -> None:
+    """The held-out shards exist and open, and zero-shot classification has its classes.json: the evaluation
+    otherwise fails at its first step, after training steps and before that step's checkpoint."""
+    shards = expand_shards(cfg.data.eval_shards, key="data.eval_shards")
+    unreadable = [f"{shard!r} ({why})" for shard in shards if is_local(shard) and (why := readable(shard))]
+    if unreadable:
+        raise FileNotFoundError(f"data.eval_shards: {len(unreadable)} of {len(shards)} shards cannot be read: "
+                                f"{', '.join(unreadable[:3])}: fix their permissions or the pattern")
+    if not cfg.trainer.eval.zeroshot or cfg.data.frames or not is_local(shards[0]):
+        return  # video evaluation has no zero-shot classification
+    path = os.path.join(os.path.dirname(shards[0]), "classes.json")
+    fix = (f"write {path} ({{\"classes\": [...], \"templates\": [...]}}, see docs/data.md) or set "
+           "trainer.eval.zeroshot=false")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trainer.eval.zeroshot=true needs classes.json beside data.eval_shards, and {path} "
+                                f"does not exist: {fix}")
+    try:
+        with open(path) as f:
+            classes = json.load(f)["classes"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"trainer.eval.zeroshot=true: {path} cannot be read as a class list "
+                         f"({type(err).__name__}: {err}): {fix}") from None
+    if not isinstance(classes, list) or not classes:
+        raise ValueError(f"trainer.eval.zeroshot=true: {path} holds no classes: {fix}")
+
+
+def check_init_from(spec: str) -> None:
+    if spec.startswith(OPENCLIP):
+        path = spec.removeprefix(OPENCLIP)
+        if why := readable(path):
+            raise FileNotFoundError(f"model.init_from={spec!r}: {path!r} cannot be read ({why}): give the path of "
+                                    "an OpenCLIP checkpoint file")
+    else:
+        model_file(spec)
+
+
+def check_logger(wandb: bool) -> None:
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("logger.wandb=true but wandb is not installed: pip install wandb, or logger=none")
+
+
+def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
+    """Every input a run reads, checked as cheaply as it can be: shards exist (and held-out ones open), files
+    named by keys exist. Generated data (data.generate) is written after preflight, so it is not looked for."""
+    data = cfg.data
+    return [
+        lambda: data.generate or resolve_sources(data),
+        lambda: data.generate or not data.eval_shards or check_eval_inputs(cfg),
+        lambda: not cfg.model.init_from or check_init_from(cfg.model.init_from),
+        lambda: check_logger(cfg.logger.wandb),
+    ]
+
+
 def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
-    """Raises ValueError listing every problem. Collective (it finds the checkpoint to resume on rank 0)."""
+    """Raises ConfigurationError listing every problem. Collective (it finds the checkpoint to resume on rank 0)."""
     model, video = cfg.model, bool(cfg.data.frames)
     checks = [
         lambda: check_batch_size(cfg.data.batch_size, dist_info.world_size),
@@ -94,12 +227,13 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: checkpoint.find_resume(
             os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required
         ),
+        *input_checks(cfg),
     ]
-    problems = range_problems(cfg)
+    problems = [unknown_key_message(key) for key in unknown_keys(cfg)] + range_problems(cfg)
     for check in checks:
         try:
             check()
         except (ValueError, FileNotFoundError) as err:
             problems.append(str(err))
     if problems:
-        raise ValueError("the configuration cannot run:\n- " + "\n- ".join(problems))
+        raise ConfigurationError("the configuration cannot run:\n- " + "\n- ".join(problems))

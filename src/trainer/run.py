@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
@@ -15,7 +16,8 @@ from src.models.clip import build_model, count_parameters
 from src.parallel.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
 from src.tools.synthetic_shapes import make_synthetic_shapes
 from src.tools.synthetic_videos import make_synthetic_video_shards
-from src.trainer.preflight import preflight
+from src.trainer.preflight import ConfigurationError, preflight
+from src.trainer.run_directory import remove_new_run_directory
 from src.trainer.trainer import Trainer, image_text_parts
 from src.trainer.video_trainer import video_parts
 
@@ -36,11 +38,20 @@ def dry_run(cfg: ModelConfig) -> None:
     print(f"model={cfg.name}: " + ", ".join(f"{k} {v / 1e6:.2f}M parameters" for k, v in counts.items()))
 
 
+def refuse(err: ConfigurationError, run_dir: str | None) -> NoReturn:
+    """One message, no traceback (HYDRA_FULL_ERROR=1 gives it, as for Hydra's own errors), nothing left behind."""
+    if run_dir is not None:
+        remove_new_run_directory(run_dir)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    raise SystemExit(f"error: {err}")
+
+
 def resolve(dict_cfg: DictConfig) -> TrainConfig:
     try:
         return OmegaConf.to_object(dict_cfg)
     except MissingMandatoryValue as err:
-        raise SystemExit(
+        raise ConfigurationError(
             f"config key {err.full_key} has no value: set it on the command line ({err.full_key}=...)"
             + (" or pick data=synthetic_shapes" if err.full_key == "data.shards" else "")
         ) from None
@@ -64,14 +75,20 @@ def run(dict_cfg: DictConfig) -> None:
     if dict_cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group
         dry_run(OmegaConf.to_object(dict_cfg.model))
         return
-    cfg = resolve(dict_cfg)
+    try:
+        cfg = resolve(dict_cfg)
+    except ConfigurationError as err:
+        refuse(err, HydraConfig.get().runtime.output_dir)
     if cfg.data.num_workers is None:
         cfg.data.num_workers = default_num_workers()
     dist_info = init_distributed(cfg.trainer.device)
     try:
         run_dir = HydraConfig.get().runtime.output_dir if dist_info.is_main else None
         cfg.trainer.run_dir = run_dir = broadcast_object(run_dir)
-        preflight(cfg, dist_info, run_dir)
+        try:
+            preflight(cfg, dist_info, run_dir)
+        except ConfigurationError as err:
+            refuse(err, run_dir if dist_info.is_main else None)
         if dist_info.is_main:
             os.makedirs(run_dir, exist_ok=True)
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
