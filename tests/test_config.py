@@ -150,3 +150,109 @@ def test_run_outputs_hold_plain_strings(tmp_path):
     assert "  linear: standard\n" in (tmp_path / "config.yaml").read_text()
     as_dict = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert type(as_dict["model"]["linear"]) is str
+
+
+NUMERIC = (int, float, int | None, float | None, list[float])
+CHECKED_OUTSIDE_RANGES = {"trainer.sp_size"}  # against the world size: check_sp_size
+
+
+def test_every_numeric_key_has_a_valid_range():
+    from src.config import schema_keys
+    from src.trainer.preflight import RANGES
+
+    numeric = {key for key, hint in schema_keys().items() if hint in NUMERIC}
+    assert numeric - {key for key, _, _ in RANGES} - CHECKED_OUTSIDE_RANGES == set()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.batch_size=0"], "data.batch_size=0 is out of range: set it to at least 1"),
+    (["data.batch_size=-8"], "data.batch_size=-8 is out of range: set it to at least 1"),
+    (["data.mode=resampled", "data.samples_per_epoch=0"], "data.samples_per_epoch=0 is out of range: set it to at "
+                                                          "least 1"),
+    (["data.shuffle_buffer=0"], "data.shuffle_buffer=0 is out of range: set it to at least 1"),
+    (["trainer.log_every=0"], "trainer.log_every=0 is out of range: set it to at least 1"),
+    (["data.num_workers=-1"], "data.num_workers=-1 is out of range: set it to 0 or more"),
+    (["optim.lr=nan"], "optim.lr=nan is out of range: set it to a finite number above 0"),
+    (["optim.lr=inf"], "optim.lr=inf is out of range: set it to a finite number above 0"),
+    (["optim.lr=0"], "optim.lr=0.0 is out of range: set it to a finite number above 0"),
+    (["data.crop_scale_min=0"], "data.crop_scale_min=0.0 is out of range: set it to in (0, 1]"),
+    (["data.crop_scale_min=1.5"], "data.crop_scale_min=1.5 is out of range: set it to in (0, 1]"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0 is out of range: set it to at least 1"),
+    (["trainer.max_steps=-5"], "trainer.max_steps=-5 is out of range: set it to at least 1"),
+    (["trainer.ckpt_every=-1"], "trainer.ckpt_every=-1 is out of range: set it to 0 (end only) or more"),
+    (["trainer.keep_last_k=-2"], "trainer.keep_last_k=-2 is out of range: set it to at least 1"),
+    (["spikes.window=1"], "spikes.window=1 is out of range"),
+    (["trainer.seed=-1"], "trainer.seed=-1 is out of range"),
+    (["model.vision.patch_size=5"], "model.vision.image_size=32, model.vision.patch_size=5: model.vision.image_size "
+                                    "must be a multiple of model.vision.patch_size"),
+    (["spikes.attribution_min=9"], "spikes.attribution_min must not exceed spikes.attribution_max"),
+])
+def test_preflight_refuses_each_value_that_makes_no_sense(tmp_path, overrides, message):
+    assert message in preflight_problems(tmp_path, overrides)
+
+
+def test_keys_added_with_plus_that_the_schema_lacks_are_refused_with_the_closest_key(tmp_path):
+    message = preflight_problems(tmp_path, ["+trainer.max_stepz=3", "++trainer.lr=0.1", "+foo=1"])
+    assert "trainer.max_stepz is not a config key: did you mean trainer.max_steps?" in message
+    assert "trainer.lr is not a config key: did you mean optim.lr?" in message
+    assert "foo is not a config key" in message
+
+
+def test_preflight_checks_the_inputs_it_can_reach_cheaply(tmp_path, shapes):
+    """Missing training and held-out shards, a zero-shot run without classes.json and a missing init_from are
+    found before the first step, each naming its key."""
+    import shutil
+
+    from tests.conftest import data_overrides
+
+    eval_dir = tmp_path / "eval"
+    shutil.copytree(os.path.dirname(shapes["eval_shards"]), eval_dir)
+    (eval_dir / "classes.json").unlink()
+    train_pattern = shapes["shards"].replace("000007", "000009")  # shards 8 and 9 do not exist
+    message = preflight_problems(tmp_path, [
+        *data_overrides(shapes), f"data.shards='{train_pattern}'",
+        f"data.eval_shards='{eval_dir}/eval-{{000000..000002}}.tar'", f"model.init_from={tmp_path}/nothing",
+    ])
+    assert "data.shards=" in message and "2 of 10 shards do not exist" in message
+    assert "data.eval_shards=" in message and "1 of 3 shards do not exist" in message
+    assert f"model.init_from='{tmp_path}/nothing' names no checkpoint" in message
+    held_out = [*data_overrides(shapes), f"data.eval_shards='{eval_dir}/eval-{{000000..000001}}.tar'"]
+    message = preflight_problems(tmp_path, held_out)
+    assert (f"trainer.eval.zeroshot=true needs classes.json beside data.eval_shards, and {eval_dir}/classes.json "
+            "does not exist") in message and "or set trainer.eval.zeroshot=false" in message
+    (eval_dir / "classes.json").write_text("{not json")
+    assert f"{eval_dir}/classes.json cannot be read as a class list" in preflight_problems(tmp_path, held_out)
+    preflight(compose_config(["experiment=quickstart", *held_out, "trainer.eval.zeroshot=false"]), CPU, str(tmp_path))
+
+
+def test_no_training_data_is_found_by_preflight(tmp_path):
+    cfg = compose_config(["model=vit_huge", "optim=stable_adamw"])
+    with pytest.raises(ValueError, match="no training data: set data.shards"):
+        preflight(cfg, CPU, str(tmp_path))
+
+
+def test_preflight_logs_the_expected_memory(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="src.trainer.preflight"):
+        preflight(compose_config(["experiment=quickstart"]), CPU, str(tmp_path))
+    line = next(r.getMessage() for r in caplog.records if "expected memory per rank" in r.getMessage())
+    assert "5.4M parameters" in line and "optimizer state" in line and "per sample x 128 samples" in line
+    assert "GB available: this machine's" in line
+
+
+def test_the_memory_check_refuses_vit_b32_at_batch_4096_on_24_gb_and_passes_what_fits():
+    from src.trainer.memory import check_memory, estimate_memory
+
+    estimate = estimate_memory(compose_config(["model=vit_b32", "data.shards=x", "data.batch_size=4096"]), 1)
+    assert estimate.parameters == 151_308_033 and estimate.optimizer_bytes == 8 * estimate.parameters
+    with pytest.raises(ValueError, match=r"the run needs about 14\d\.\d GB per rank") as err:
+        check_memory(estimate, 24e9, "this machine's RAM")
+    assert "more than 1.5x the 24.0 GB of this machine's RAM" in str(err.value)
+    assert "a smaller data.batch_size (about 98" in str(err.value) and "model.checkpoint_policy=full" in str(err.value)
+    # Checkpointing keeps about a block input per block: the same run then fits 24 GB.
+    check_memory(estimate_memory(compose_config(["model=vit_b32", "data.shards=x", "data.batch_size=4096",
+                                                 "model.checkpoint_policy=full"]), 1), 24e9, "RAM")
+    # FSDP2 shards the weights, gradients and moments; the activations are per rank anyway.
+    sharded = estimate_memory(compose_config(["model=vit_b32", "data.shards=x", "trainer.data_parallel=fsdp2"]), 8)
+    assert sharded.optimizer_bytes == estimate.optimizer_bytes / 8 and sharded.samples == 512

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -24,7 +25,10 @@ from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
+from src.trainer.memory import available_memory, check_memory, estimate_memory
 from src.trainer.pretrained import OPENCLIP, model_file
+
+log = logging.getLogger(__name__)
 
 
 class ConfigurationError(ValueError):
@@ -234,6 +238,16 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         try:
             check()
         except (ValueError, FileNotFoundError) as err:
+            problems.append(str(err))
+    if not problems:  # the estimate builds the model on the meta device, which needs a sound model config
+        estimate = estimate_memory(cfg, dist_info.world_size)
+        available, where = available_memory(dist_info.device)
+        if dist_info.is_main:
+            log.info("expected memory per rank: %s (%.1f GB available: %s)", estimate.describe(), available / 1e9,
+                     where)
+        try:
+            check_memory(estimate, available, where)
+        except ValueError as err:
             problems.append(str(err))
     if problems:
         raise ConfigurationError("the configuration cannot run:\n- " + "\n- ".join(problems))
