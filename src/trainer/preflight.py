@@ -164,18 +164,26 @@ def readable(path: str) -> str | None:
     return None
 
 
-def check_eval_inputs(cfg: TrainConfig) -> None:
-    """The held-out shards exist and open, and zero-shot classification has its classes.json: the evaluation
-    otherwise fails at its first step, after training steps and before that step's checkpoint."""
-    shards = expand_shards(cfg.data.eval_shards, key="data.eval_shards")
+def check_eval_shards(pattern: str) -> None:
+    """The held-out shards exist and open: the evaluation otherwise fails at its first step, after training steps
+    and before that step's checkpoint."""
+    shards = expand_shards(pattern, key="data.eval_shards")
     unreadable = [f"{shard!r} ({why})" for shard in shards if is_local(shard) and (why := readable(shard))]
     if unreadable:
         raise FileNotFoundError(f"data.eval_shards: {len(unreadable)} of {len(shards)} shards cannot be read: "
                                 f"{', '.join(unreadable[:3])}: fix their permissions or the pattern")
-    if not cfg.trainer.eval.zeroshot or cfg.data.frames or not is_local(shards[0]):
-        return  # video evaluation has no zero-shot classification
-    path = os.path.join(os.path.dirname(shards[0]), "classes.json")
-    fix = (f"write {path} ({{\"classes\": [...], \"templates\": [...]}}, see docs/data.md) or set "
+
+
+def check_classes(pattern: str) -> None:
+    """Zero-shot classification's classes.json beside the held-out shards, readable as a class list."""
+    try:
+        first = expand_shards(pattern, key="data.eval_shards")[0]
+    except FileNotFoundError:  # check_eval_shards reports it
+        return
+    if not is_local(first):
+        return
+    path = os.path.join(os.path.dirname(first), "classes.json")
+    fix = (f"write {path} ({{\"classes\": [names], \"templates\": [optional prompts]}}) or set "
            "trainer.eval.zeroshot=false")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"trainer.eval.zeroshot=true needs classes.json beside data.eval_shards, and {path} "
@@ -211,7 +219,10 @@ def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
     data = cfg.data
     return [
         lambda: data.generate or resolve_sources(data),
-        lambda: data.generate or not data.eval_shards or check_eval_inputs(cfg),
+        lambda: data.generate or not data.eval_shards or check_eval_shards(data.eval_shards),
+        # Video evaluation has no zero-shot classification.
+        lambda: (data.generate or not data.eval_shards or data.frames or not cfg.trainer.eval.zeroshot
+                 or check_classes(data.eval_shards)),
         lambda: not cfg.model.init_from or check_init_from(cfg.model.init_from),
         lambda: check_logger(cfg.logger.wandb),
     ]
