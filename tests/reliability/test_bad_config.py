@@ -1,4 +1,4 @@
-"""Guarantee 7: a configuration that cannot run fails before any expensive work (data generation, model weights,
+"""Guarantee 7 (and 7a-7d: ranges, keys, inputs, memory): a configuration that cannot run fails before any expensive work (data generation, model weights,
 loader workers, checkpoint loading), naming each bad key and its fix, all at once. Under torchrun with 2 ranks,
 since two of the checks concern the world size."""
 
@@ -69,7 +69,7 @@ def test_values_that_make_no_sense_are_refused_at_once_leaving_no_run_directory(
     for override, message in bad.items():
         assert message in output, override
     assert not os.path.exists(outputs)
-    LEDGER.append(("7 values out of range (train.py)", len(bad), 0, 0))
+    LEDGER.append(("7a values out of range (train.py)", len(bad), 0, 0))
 
 
 def test_keys_the_schema_lacks_are_refused_with_the_closest_key(tmp_path):
@@ -79,7 +79,7 @@ def test_keys_the_schema_lacks_are_refused_with_the_closest_key(tmp_path):
     assert "trainer.log_evry is not a config key: did you mean trainer.log_every?" in output
     assert "To append to your config use +" not in output  # Hydra's own hint, which would add an ignored key
     assert not (tmp_path / "run").exists()
-    LEDGER.append(("7 unknown keys (with and without +)", 2, 0, 0))
+    LEDGER.append(("7b unknown keys (with and without +)", 2, 0, 0))
 
 
 def test_missing_and_unreadable_inputs_are_found_before_the_first_step(shapes, tmp_path):
@@ -105,7 +105,7 @@ def test_missing_and_unreadable_inputs_are_found_before_the_first_step(shapes, t
     assert "data.eval_shards matched no files" in missing
     assert "expected memory per rank" not in missing + unreadable  # refused before the model was even counted
     assert not run_dir.exists()
-    LEDGER.append(("7 missing or unreadable inputs", 5, 0, 0))
+    LEDGER.append(("7c missing or unreadable inputs", 5, 0, 0))
 
 
 def test_a_run_far_too_large_for_the_machine_is_refused_with_the_numbers(shapes, tmp_path):
@@ -128,4 +128,4 @@ def test_a_run_far_too_large_for_the_machine_is_refused_with_the_numbers(shapes,
     full = Training(args, tmp_path / "full.txt", env={"HYDRA_FULL_ERROR": "1"})
     assert full.wait() != 0
     assert "Traceback" in full.output() and "ConfigurationError: the configuration cannot run" in full.output()
-    LEDGER.append(("13 run too large for the machine", 1, 0, 0))
+    LEDGER.append(("7d run too large for the machine", 1, 0, 0))
