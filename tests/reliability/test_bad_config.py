@@ -1,6 +1,7 @@
-"""Guarantee 7 (and 7a-7d: ranges, keys, inputs, memory): a configuration that cannot run fails before any expensive work (data generation, model weights,
-loader workers, checkpoint loading), naming each bad key and its fix, all at once. Under torchrun with 2 ranks,
-since two of the checks concern the world size."""
+"""Guarantee 7: a configuration that cannot run fails before any expensive work (data generation, model weights,
+loader workers, checkpoint loading), naming each bad key and its fix, all at once; the first test runs under
+torchrun with 2 ranks, since two of the checks concern the world size. 7a-7d: values out of range, unknown keys,
+missing inputs and a run too large for the machine, each through train.py."""
 
 import os
 import shutil
