@@ -114,8 +114,12 @@ def read_manifest(directory: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): the checkpoint is damaged") \
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err}") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text (binary bytes): the checkpoint is damaged") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON, torn or overwritten ({err}): the checkpoint is damaged") \
             from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     valid = (isinstance(files, dict) and isinstance(manifest.get("world_size"), int) and manifest["world_size"] >= 1
