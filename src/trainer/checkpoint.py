@@ -189,13 +189,14 @@ def checkpoint_problem(directory: str, *, checksums: bool, files: Iterable[str] 
         return str(err)
     if manifest is None:
         if not os.path.lexists(os.path.join(directory, f"{MODEL_FILE}.pt")):
-            return f"{directory} is not a checkpoint: it holds neither {MANIFEST} nor {MODEL_FILE}.pt"
+            return f"{directory} is not a checkpoint directory: it holds neither {MANIFEST} nor {MODEL_FILE}.pt"
         # Legacy: the world size is not known without loading train_state.pt; rank 0's file is always there.
         present = [name for name in os.listdir(directory) if re.fullmatch(r"rank_\d+\.pt", name)]
         entries = dict.fromkeys(sorted({*required_files(1), *present}))
     else:
         entries = manifest["files"]
-        unlisted = [name for name in required_files(manifest["world_size"]) if name not in entries]
+        needed = required_files(manifest["world_size"]) if files is None else files
+        unlisted = [name for name in needed if name not in entries]
         if unlisted:
             return f"{os.path.join(directory, MANIFEST)} does not list {', '.join(unlisted)}: the checkpoint is damaged"
     for name in entries if files is None else files:
@@ -291,11 +292,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: str, step: int, world_size: int) -> None:
-    """The last file of a checkpoint: every other file's size and sha256 (rank 0 reads them back: the checkpoint
-    directory is on a file system every rank writes to, as its rename already needs)."""
+def write_manifest(directory: str, step: int, world_size: int, stems: Iterable[str] = SHARED_FILES) -> None:
+    """The last file of a checkpoint: the size and sha256 of every other file (`stems`: rank 0's files, then every
+    rank's). Rank 0 reads them back: the checkpoint directory is on a file system every rank writes to, as its
+    rename already needs."""
+    names = [f"{stem}.pt" for stem in stems] + [rank_file(r) for r in range(world_size)]
     files = {name: {"bytes": os.path.getsize(os.path.join(directory, name)),
-                    "sha256": file_sha256(os.path.join(directory, name))} for name in required_files(world_size)}
+                    "sha256": file_sha256(os.path.join(directory, name))} for name in names}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size, "files": files}
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -325,8 +328,8 @@ def save_checkpoint(
 
     write_on_every_rank(make_tmp if rank == 0 else None, rank, checkpoints, tmp)
     write_on_every_rank(write_files, rank, checkpoints, tmp)
-    write_on_every_rank(functools.partial(write_manifest, tmp, step, world_size) if rank == 0 else None, rank,
-                        checkpoints, tmp)
+    write_on_every_rank(functools.partial(write_manifest, tmp, step, world_size, shared) if rank == 0 else None,
+                        rank, checkpoints, tmp)
     if rank == 0:
         if os.path.exists(final):  # saving the same step twice (e.g. the final save): replace it
             shutil.rmtree(final)

@@ -146,7 +146,7 @@ def test_every_kind_of_damage_is_named(written):
                             f"{MANIFEST} is not text (binary bytes)"),
         "other_json": (lambda d: (d / MANIFEST).write_text("[1, 2]"), f"{MANIFEST} is not a checkpoint manifest"),
         "not_a_checkpoint": (lambda d: [os.remove(d / n) for n in (MANIFEST, "model.pt")],
-                             "is not a checkpoint: it holds neither manifest.json nor model.pt"),
+                             "is not a checkpoint directory: it holds neither manifest.json nor model.pt"),
     }
     for name, (damage, want) in cases.items():
         bad = damaged(written, name, damage)
