@@ -10,6 +10,7 @@ import os
 import torch
 
 from src.parallel.distributed import DistInfo
+from src.trainer.checkpoint import checkpoint_problem
 from src.trainer.run import ensure_synthetic_data
 from src.trainer.trainer import Trainer
 from tests.conftest import ROOT, compose_config
@@ -45,7 +46,7 @@ def assert_equal(want, got, where: str) -> None:
         assert want == got, where
 
 
-def test_a_checkpoint_written_before_the_registry_resumes_and_trains_on(tmp_path):
+def test_a_checkpoint_written_before_the_registry_resumes_and_trains_on(tmp_path, caplog):
     data = tmp_path / "data"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -55,6 +56,8 @@ def test_a_checkpoint_written_before_the_registry_resumes_and_trains_on(tmp_path
     ])
     ensure_synthetic_data(cfg, is_main=True)
     trainer = Trainer(cfg, str(run_dir), DistInfo(0, 1, 0, torch.device("cpu")))
+    # It has no manifest (written before checkpoints had one): loaded as legacy, checked with torch.save's CRC32s.
+    assert f"{CHECKPOINT} has no manifest.json" in caplog.text
 
     saved = load("train_state")
     assert trainer.progress.step == saved["step"] == 3
@@ -74,3 +77,5 @@ def test_a_checkpoint_written_before_the_registry_resumes_and_trains_on(tmp_path
         assert abs(losses[step] - loss) <= 1e-5 * abs(loss), (step, losses[step], loss)
     assert os.listdir(run_dir / "checkpoints") == ["step_00000006"]
     assert torch.load(run_dir / "checkpoints/step_00000006/train_state.pt", weights_only=True)["step"] == 6
+    assert checkpoint_problem(str(run_dir / "checkpoints/step_00000006"), checksums=True) is None  # with a manifest
+    assert (run_dir / "checkpoints/step_00000006/manifest.json").is_file()

@@ -70,5 +70,5 @@ def test_torchrun_two_ranks_share_one_run_directory(shapes, tmp_path):
         steps = [json.loads(line)["step"] for line in f if "train/loss" in line]
     assert steps == list(range(20))
     assert sorted(os.listdir(run_dir / "checkpoints/step_00000020")) == [
-        "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
+        "manifest.json", "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
     assert not (run_dir.parent.parent / ".hydra").exists()

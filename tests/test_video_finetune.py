@@ -249,7 +249,7 @@ def test_torchrun_sequence_parallel_run_trains_and_evaluates(video_shards, tmp_p
         assert [0 <= evaluation[f"eval/{key}_r{k}"] <= 1 for k in (1, 5, 10)] == [True] * 3, key
     assert evaluation["eval/t2v_r10"] >= evaluation["eval/t2v_r1"]
     assert sorted(os.listdir(run_dir / "checkpoints" / "step_00000005")) == [
-        "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
+        "manifest.json", "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
 
 
 def test_bench_quick_mode_compares_both_implementations(tmp_path):

@@ -1,10 +1,16 @@
-"""Atomic checkpoints: written to `step_N.tmp/`, fsynced, then renamed; a directory without the
-suffix is always complete, so a crash mid-save never produces a broken "latest".
+"""Atomic, verified checkpoints: written to `step_N.tmp/`, fsynced, then renamed; a directory without the
+suffix was completely written, so a crash mid-save never produces a broken "latest".
 
 Layout of `checkpoints/step_00000500/`: `model.pt` and `train_state.pt` (optimizer, scheduler, step,
 ...) from rank 0, and `rank_R.pt` (RNG states, data position) from every rank. All files hold only
 tensors and plain Python types and load with `torch.load(weights_only=True)`. Which part goes where is
-src/trainer/state.py's `TrainState`, the one list of what a checkpoint holds.
+src/trainer/state.py's `TrainState`, the one list of what a checkpoint holds. `manifest.json`, written last
+(after every other file is fsynced, before the rename), lists every file with its size and sha256: a checkpoint
+is intact when every file it lists is there with that size and checksum. Disks, copies and file systems damage
+files after a save too (a truncated copy, a flipped bit), so a resume verifies before it loads: `latest` takes
+the newest intact checkpoint and names the ones it skipped; an explicit path that fails stops with the file and
+what is wrong with it. Checkpoints written before manifests existed have none: they load as legacy, checked
+with the CRC32 that torch.save stores for every record of its zip archive.
 
 A write that fails (disk full, quota, permissions) removes its `.tmp` directory and raises on every rank;
 the previous checkpoint stays as it was. See docs/reliability.md.
@@ -18,13 +24,18 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
+import json
+import logging
 import os
 import pickle
 import re
 import shutil
-from collections.abc import Callable
+import zipfile
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,55 +47,228 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from src.parallel.distributed import any_rank, barrier, broadcast_object
-from src.trainer.state import TrainState
+from src.trainer.state import MODEL_FILE, SHARED_FILES, TrainState
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DEBRIS = re.compile(r"^step_\d+\.(tmp|deleting)$")  # left by a save or a prune that was killed
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+HASH_CHUNK = 16 << 20  # large reads: hashlib releases the GIL for them
 
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; nothing was renamed or pruned."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that fails verification or cannot be read; the message names the file and what is wrong."""
+
+
 def step_dir(checkpoints: str, step: int) -> str:
     return os.path.join(checkpoints, f"step_{step:08d}")
 
 
+def step_of(path: str) -> int:
+    return int(STEP_DIR.match(os.path.basename(path)).group(1))
+
+
 def complete_checkpoints(checkpoints: str) -> list[str]:
-    """Complete checkpoint directories, oldest first."""
+    """Completely written checkpoint directories (renamed from `.tmp`), oldest first; see `checkpoint_problem` for
+    whether one is still intact."""
     if not os.path.isdir(checkpoints):
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(checkpoints) if (m := STEP_DIR.match(name))]
     return [os.path.join(checkpoints, name) for _, name in sorted(found)]
 
 
-def latest_checkpoint(checkpoints: str) -> str | None:
-    """Decided on rank 0 and broadcast, so every rank resumes from the same one."""
-    found = complete_checkpoints(checkpoints)
-    return broadcast_object(found[-1] if found else None)
+# ------------------------------------------------------------------------------------------------ verification
 
 
-def find_resume(checkpoints: str, resume: str | None, required: bool) -> str | None:
-    """The checkpoint directory `trainer.resume` names, or None to start from step 0. Cheap (no loading), so
-    a bad value fails before any expensive work."""
+def file_sha256(path: str) -> str:
+    """sha256 rather than a faster CRC: a file's damage is not always a burst of a few bits (a block of another
+    file, a bad copy), and it costs about 1 s per 2 GB on a server core, far less than writing the file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def required_files(world_size: int) -> list[str]:
+    return [f"{stem}.pt" for stem in SHARED_FILES] + [rank_file(r) for r in range(world_size)]
+
+
+def read_manifest(directory: str) -> dict | None:
+    """The manifest of the checkpoint `directory`, None for one written before manifests existed (no
+    manifest.json). Raises CheckpointError for a manifest that is not one (torn, zero bytes, garbage)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err}") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text (binary bytes): the checkpoint is damaged") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON, torn or overwritten ({err}): the checkpoint is damaged") \
+            from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    valid = (isinstance(files, dict) and isinstance(manifest.get("world_size"), int) and manifest["world_size"] >= 1
+             and all(isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+                     for e in files.values()))
+    if not valid or manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{path} is not a checkpoint manifest of format {MANIFEST_FORMAT}: the checkpoint is "
+                              "damaged, or was not written by stableclip")
+    return manifest
+
+
+def archive_problem(path: str, crc: bool) -> str | None:
+    """What is wrong with a torch.save file that no manifest describes: torch.save writes a zip archive with a
+    CRC32 for every record, checked with `crc`; None when it is sound."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip() if crc else None
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as err:
+        return (f"{path} is not a file torch.save wrote, or it is truncated ({err}): it may have been cut short by "
+                "a copy or overwritten")
+    except OSError as err:
+        return f"{path} cannot be read: {err}"
+    if bad is not None:
+        return f"{path} fails the CRC32 of its record {bad}: the file is corrupted"
+    return None
+
+
+def file_problem(directory: str, name: str, entry: dict | None, checksums: bool) -> str | None:
+    """What is wrong with file `name` of a checkpoint, None when it is intact. `entry`: its manifest entry (size and
+    sha256), None for a legacy checkpoint; `checksums`: compute the checksum (a full read), not only the size."""
+    path = os.path.join(directory, name)
+    listed = " (its manifest lists it)" if entry is not None else ""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return f"{path} is missing{listed}"
+    except OSError as err:
+        return f"{path} cannot be read: {err}"
+    if size == 0:
+        return f"{path} is empty (0 bytes" + (f", its manifest says {entry['bytes']})" if entry else ")")
+    if entry is None:
+        return archive_problem(path, crc=checksums)
+    if size < entry["bytes"]:
+        return f"{path} is truncated: {size} bytes, its manifest says {entry['bytes']}"
+    if size != entry["bytes"]:
+        return f"{path} has {size} bytes, its manifest says {entry['bytes']}: it was changed after the save"
+    if checksums:
+        try:
+            digest = file_sha256(path)
+        except OSError as err:
+            return f"{path} cannot be read: {err}"
+        if digest != entry["sha256"]:
+            return (f"{path} fails its checksum (sha256 {digest[:16]}..., its manifest says {entry['sha256'][:16]}...):"
+                    " its bytes changed after the save (disk or copy corruption)")
+    return None
+
+
+def checkpoint_problem(directory: str, *, checksums: bool, files: Iterable[str] | None = None) -> str | None:
+    """What is wrong with the checkpoint `directory`, None when it is intact: every file it must hold is there, with
+    its manifest's size and (with `checksums`) sha256. `files`: only these (model.init_from needs model.pt only).
+    A checkpoint without manifest.json is legacy: its files must be there, non-empty and sound zip archives."""
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory"
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as err:
+        return str(err)
+    if manifest is None:
+        if not os.path.lexists(os.path.join(directory, f"{MODEL_FILE}.pt")):
+            return f"{directory} is not a checkpoint directory: it holds neither {MANIFEST} nor {MODEL_FILE}.pt"
+        # Legacy: the world size is not known without loading train_state.pt; rank 0's file is always there.
+        present = [name for name in os.listdir(directory) if re.fullmatch(r"rank_\d+\.pt", name)]
+        entries = dict.fromkeys(sorted({*required_files(1), *present}))
+    else:
+        entries = manifest["files"]
+        needed = required_files(manifest["world_size"]) if files is None else files
+        unlisted = [name for name in needed if name not in entries]
+        if unlisted:
+            return f"{os.path.join(directory, MANIFEST)} does not list {', '.join(unlisted)}: the checkpoint is damaged"
+    for name in entries if files is None else files:
+        problem = file_problem(directory, name, entries.get(name), checksums)
+        if problem is not None:
+            return problem
+    return None
+
+
+def newest_intact(checkpoints: str, *, checksums: bool,
+                  files: Iterable[str] | None = None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint in `checkpoints` (None if there is none), and the (newer) ones skipped, each with
+    what is wrong with it."""
+    skipped = []
+    for path in reversed(complete_checkpoints(checkpoints)):
+        problem = checkpoint_problem(path, checksums=checksums, files=files)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def log_unverified(path: str) -> None:
+    if read_manifest(path) is None:
+        log.warning("%s has no %s (it was written before checkpoints had one): its files were checked with the CRC32s "
+                    "torch.save stores in them, not against a manifest", path, MANIFEST)
+
+
+def choose_resume(checkpoints: str, resume: str, required: bool,
+                  checksums: bool) -> tuple[str | None, list[tuple[str, str]], Exception | None]:
+    """(the checkpoint to resume from, the ones `latest` skipped, the error to raise instead)."""
+    if resume != "latest":
+        problem = checkpoint_problem(resume, checksums=checksums)
+        if problem is None:
+            return resume, [], None
+        return None, [], CheckpointError(
+            f"trainer.resume={resume!r} cannot be resumed from: {problem}. Pass another checkpoint (a "
+            "checkpoints/step_N directory), or trainer.resume=latest for the newest intact one")
+    path, skipped = newest_intact(checkpoints, checksums=checksums)
+    if path is None and skipped:
+        # Starting over would soon prune these, and they may still be repaired or copied back.
+        return None, skipped, CheckpointError(
+            f"trainer.resume=latest: no checkpoint in {checkpoints} is intact ("
+            + "; ".join(problem for _, problem in skipped) + "). Restore one, or move them away to start from step 0")
+    if path is None and required:
+        return None, [], FileNotFoundError(
+            f"trainer.resume=latest but {checkpoints} holds no complete checkpoint, and "
+            "trainer.resume_required=true: set trainer.run_dir to the run to continue, or "
+            "trainer.resume_required=false to start from step 0")
+    return path, skipped, None
+
+
+def find_resume(checkpoints: str, resume: str | None, required: bool, *, rank: int, checksums: bool) -> str | None:
+    """The checkpoint directory `trainer.resume` names, verified, or None to start from step 0. `latest` takes the
+    newest intact one. Decided on rank 0 and broadcast (collective), so every rank resumes from the same one or
+    raises the same error. `checksums=False` checks sizes only, a quick look that reports nothing (preflight); the
+    resume itself checks every checksum and logs each checkpoint it skipped."""
     if not resume:
         return None
-    path = latest_checkpoint(checkpoints) if resume == "latest" else resume
-    if path is None:
-        if required:
-            raise FileNotFoundError(
-                f"trainer.resume=latest but {checkpoints} holds no complete checkpoint, and "
-                "trainer.resume_required=true: set trainer.run_dir to the run to continue, or "
-                "trainer.resume_required=false to start from step 0"
-            )
-        return None
-    if not os.path.isfile(os.path.join(path, "model.pt")):
-        raise FileNotFoundError(
-            f"trainer.resume={resume!r}: {path!r} is not a checkpoint directory (it has no model.pt); "
-            "pass trainer.resume=latest or a checkpoints/step_N directory"
-        )
+    decision = choose_resume(checkpoints, resume, required, checksums) if rank == 0 else None
+    path, skipped, error = broadcast_object(decision)
+    if error is not None:
+        raise error
+    if checksums and rank == 0:
+        for bad, problem in skipped:
+            log.warning("trainer.resume=latest: skipping %s: %s", bad, problem)
+        if path is not None:
+            log_unverified(path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------ writing
 
 
 def fsync_save(obj, path: str) -> None:
@@ -108,12 +292,28 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_manifest(directory: str, step: int, world_size: int, stems: Iterable[str] = SHARED_FILES) -> None:
+    """The last file of a checkpoint: the size and sha256 of every other file (`stems`: rank 0's files, then every
+    rank's). Rank 0 reads them back: the checkpoint directory is on a file system every rank writes to, as its
+    rename already needs."""
+    names = [f"{stem}.pt" for stem in stems] + [rank_file(r) for r in range(world_size)]
+    files = {name: {"bytes": os.path.getsize(os.path.join(directory, name)),
+                    "sha256": file_sha256(os.path.join(directory, name))} for name in names}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size, "files": files}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(directory)
+
+
 def save_checkpoint(
     checkpoints: str, step: int, *, rank: int, shared: dict[str, dict], per_rank: dict, keep_last_k: int
 ) -> str:
     """`shared` maps file stem -> state, written by rank 0; `per_rank` is written by every rank."""
     final = step_dir(checkpoints, step)
     tmp = final + ".tmp"
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
 
     def make_tmp() -> None:
         os.makedirs(checkpoints, exist_ok=True)
@@ -121,18 +321,21 @@ def save_checkpoint(
         os.makedirs(tmp)
 
     def write_files() -> None:
-        fsync_save(per_rank, os.path.join(tmp, f"rank_{rank}.pt"))
+        fsync_save(per_rank, os.path.join(tmp, rank_file(rank)))
         if rank == 0:
             for stem, state in shared.items():
                 fsync_save(state, os.path.join(tmp, f"{stem}.pt"))
 
     write_on_every_rank(make_tmp if rank == 0 else None, rank, checkpoints, tmp)
     write_on_every_rank(write_files, rank, checkpoints, tmp)
+    write_on_every_rank(functools.partial(write_manifest, tmp, step, world_size, shared) if rank == 0 else None,
+                        rank, checkpoints, tmp)
     if rank == 0:
         if os.path.exists(final):  # saving the same step twice (e.g. the final save): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(checkpoints)
+        retire_newer(checkpoints, step)
         retire_old(checkpoints, keep_last_k)
         remove_debris(checkpoints)
     barrier()
@@ -164,6 +367,17 @@ def write_on_every_rank(write: Callable[[], None] | None, rank: int, checkpoints
     ) from error
 
 
+def retire_newer(checkpoints: str, step: int) -> None:
+    """Retire the checkpoints after `step`, which this run has just written: they are from before its resume
+    (ones `latest` skipped as damaged, or the rest of a run resumed from an earlier step), and `latest` must never
+    pick them over the run's own, nor pruning keep them instead of it."""
+    for newer in complete_checkpoints(checkpoints):
+        if step_of(newer) > step:
+            log.warning("removing %s: it is newer than step %d, which this run resumed before and has now saved",
+                        newer, step)
+            os.replace(newer, newer + ".deleting")
+
+
 def retire_old(checkpoints: str, keep_last_k: int) -> None:
     """Rename all but the newest `keep_last_k` to `.deleting`, only once the newest is complete: a crash
     mid-delete then leaves no half-deleted directory that looks complete."""
@@ -187,25 +401,38 @@ def save_train_state(checkpoints: str, step: int, state: TrainState, *, rank: in
 
 
 def load_train_state(path: str, state: TrainState, *, rank: int) -> None:
-    """Restore every part `state` registers from the checkpoint directory `path`."""
-    if not os.path.isfile(os.path.join(path, f"rank_{rank}.pt")):
-        raise FileNotFoundError(
-            f"{path!r} has no state for rank {rank}: it was saved with fewer ranks; resume with the world size it "
-            "was saved with"
+    """Restore every part `state` registers from the checkpoint directory `path` (verified by `find_resume`)."""
+    manifest = read_manifest(path)
+    if not os.path.isfile(os.path.join(path, rank_file(rank))):
+        saved_by = manifest["world_size"] if manifest else None
+        if saved_by is None and rank == 0 or saved_by is not None and rank < saved_by:
+            raise CheckpointError(f"{os.path.join(path, rank_file(rank))} is missing: the checkpoint is incomplete")
+        raise CheckpointError(
+            f"{path!r} has no state for rank {rank}: it was saved with fewer ranks"
+            + (f" ({saved_by})" if saved_by else "") + "; resume with the world size it was saved with"
         )
     state.load(functools.partial(load_file, path), f"rank_{rank}")
 
 
-def load_file(directory: str, stem: str) -> dict:
-    path = os.path.join(directory, f"{stem}.pt")
+def load_torch_file(path: str) -> dict:
+    """torch.load(weights_only=True), with every failure named: the file and what is wrong with it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        if not zipfile.is_zipfile(path):  # not torch.save's archive: damaged bytes, not a hostile pickle
+            raise CheckpointError(f"cannot load {path}: {archive_problem(path, crc=False)}") from None
         raise pickle.UnpicklingError(
             f"refusing to load {path}: it holds objects other than tensors and plain Python types, and "
             "unpickling those could run arbitrary code. stableclip never writes such files: delete it, or "
             "resume from another checkpoint with trainer.resume=PATH"
         ) from err
+    except Exception as err:  # damaged bytes fail anywhere in torch.load: EOFError, IndexError, UnicodeDecodeError...
+        problem = file_problem(os.path.dirname(path), os.path.basename(path), None, checksums=True)
+        raise CheckpointError(f"cannot load {path}: {problem or f'{type(err).__name__}: {err}'}") from err
+
+
+def load_file(directory: str, stem: str) -> dict:
+    return load_torch_file(os.path.join(directory, f"{stem}.pt"))
 
 
 # Gathering: whole tensors, one at a time, onto rank 0's CPU (the other ranks get {}). Loading: every rank

@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 def truncate_jsonl(path: str, start_step: int, keep_eval: bool) -> None:
     """Keep only what a run resumed at `start_step` will not log again: the steps before it, and, with
-    `keep_eval`, evaluations at `start_step` itself (they ran before that step's checkpoint was written; a stop
-    signal can defer one to the resumed run instead). So each step is logged once."""
+    `keep_eval`, evaluations at `start_step` itself (a checkpoint that does not owe its step's evaluation: one
+    written before the checkpoint came first, when evaluations ran before it). So each step is logged once."""
     if not os.path.exists(path):
         return
     with open(path, "rb+") as f:  # a crash mid-write can leave a torn last line: cut it off

@@ -240,7 +240,8 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: not cfg.trainer.cuda_graph or check_cuda_graph(dist_info.device, dist_info.world_size,
                                                                cfg.precision.scaler),
         lambda: checkpoint.find_resume(
-            os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required
+            os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required,
+            rank=dist_info.rank, checksums=False,
         ),
         *input_checks(cfg),
     ]

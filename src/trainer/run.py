@@ -18,6 +18,7 @@ from src.tools.synthetic_shapes import make_synthetic_shapes
 from src.tools.synthetic_videos import make_synthetic_video_shards
 from src.trainer.preflight import ConfigurationError, preflight
 from src.trainer.run_directory import remove_new_run_directory
+from src.trainer.run_lock import lock_run_dir
 from src.trainer.trainer import Trainer, image_text_parts
 from src.trainer.video_trainer import video_parts
 
@@ -71,6 +72,17 @@ def ensure_synthetic_data(cfg: TrainConfig, is_main: bool) -> None:
     barrier()
 
 
+def report_nothing_to_train(trainer: Trainer) -> None:
+    """A resumed checkpoint at or past the last step leaves nothing to train: say so, rather than exit 0 silently."""
+    cfg, step = trainer.cfg.trainer, trainer.progress.step
+    end = cfg.max_steps if cfg.stop_at_step is None else min(cfg.stop_at_step, cfg.max_steps)
+    if step < end:
+        return
+    key = "trainer.max_steps" if end == cfg.max_steps else "trainer.stop_at_step"
+    where = f"the checkpoint {trainer.resumed_from} is at step {step}" if trainer.resumed_from else f"step {step}"
+    log.warning("nothing to train: %s, and %s=%d. To train further, raise %s", where, key, end, key)
+
+
 def run(dict_cfg: DictConfig) -> None:
     if dict_cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group
         dry_run(OmegaConf.to_object(dict_cfg.model))
@@ -91,9 +103,14 @@ def run(dict_cfg: DictConfig) -> None:
             refuse(err, run_dir if dist_info.is_main else None)
         if dist_info.is_main:
             os.makedirs(run_dir, exist_ok=True)
-            OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
-            log.info("run directory: %s (command: %s)", run_dir, " ".join(sys.argv))
-        ensure_synthetic_data(cfg, dist_info.is_main)
-        Trainer(cfg, run_dir, dist_info, video_parts if cfg.data.frames else image_text_parts).fit()
+        with lock_run_dir(run_dir, dist_info.is_main):  # before anything in it is written
+            if dist_info.is_main:
+                OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
+                log.info("run directory: %s (command: %s)", run_dir, " ".join(sys.argv))
+            ensure_synthetic_data(cfg, dist_info.is_main)
+            trainer = Trainer(cfg, run_dir, dist_info, video_parts if cfg.data.frames else image_text_parts)
+            if dist_info.is_main:
+                report_nothing_to_train(trainer)
+            trainer.fit()
     finally:
         destroy()

@@ -31,8 +31,9 @@ class Stateful(Protocol):
 
 @dataclass
 class Progress:
-    """Where the run is: the steps done, the non-finite steps skipped in a row, and whether a stop signal came
-    before this step's evaluation (the resumed run then evaluates first). `world_size` is saved, not restored."""
+    """Where the run is: the steps done, the non-finite steps skipped in a row, and whether this step's evaluation
+    is still owed (a step's checkpoint is written before its evaluation, and a stop signal defers it): the resumed
+    run then evaluates first. `world_size` is saved, not restored."""
 
     world_size: int
     step: int = 0

@@ -194,6 +194,7 @@ class Trainer:
             per_rank={"data": self.loader, "rng": RNGState()},
         )
         self.checkpoints = os.path.join(run_dir, "checkpoints")
+        self.resumed_from: str | None = None  # the checkpoint directory this run resumed from
         if cfg.trainer.resume:
             self.resume(cfg.trainer.resume)
         # The metrics logger cuts its files back to the resumed step: it has no state of its own to save.
@@ -288,10 +289,14 @@ class Trainer:
                 self.check_nonfinite()
             evaluate_now = cfg.eval.every > 0 and self.progress.step % cfg.eval.every == 0
             evaluate_now = bool(self.cfg.data.eval_shards) and (evaluate_now or self.progress.step == cfg.max_steps)
-            if stop:
-                # The evaluation can take long: the resumed run does it first instead.
-                self.progress.eval_pending = evaluate_now
+            # A step's checkpoint comes before its evaluation and records that the evaluation is owed: a crash or a
+            # failure in the evaluation then loses no training, and the resumed run evaluates first. On a stop
+            # signal the evaluation (it can take long) is left to the resumed run.
+            self.progress.eval_pending = evaluate_now
+            due = (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end
+            if stop or due:
                 self.save()
+            if stop:
                 received = self.preemption.received
                 cause = received.name if received else "a signal to another rank"
                 self.metrics.message(f"stopped at step {self.progress.step} on {cause}; continue with "
@@ -299,8 +304,7 @@ class Trainer:
                 break
             if evaluate_now:
                 self.run_eval()
-            if (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end:
-                self.save()
+            self.progress.eval_pending = False
         self.metrics.close()
 
     def check_nonfinite(self) -> None:
@@ -376,9 +380,11 @@ class Trainer:
         self.metrics.message(f"saved checkpoint {path}")
 
     def resume(self, resume: str) -> None:
-        path = checkpoint.find_resume(self.checkpoints, resume, self.cfg.trainer.resume_required)
+        path = checkpoint.find_resume(self.checkpoints, resume, self.cfg.trainer.resume_required,
+                                      rank=self.dist.rank, checksums=True)
         if path is None:
             log.info("trainer.resume=latest: no checkpoint in %s yet, starting from step 0", self.checkpoints)
             return
         checkpoint.load_train_state(path, self.state, rank=self.dist.rank)
+        self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.progress.step)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from src.trainer.checkpoint import complete_checkpoints
+from src.trainer.checkpoint import newest_intact, read_manifest, step_of
 from tests.conftest import ROOT, data_overrides
 
 STEPS, CKPT_EVERY, EVAL_EVERY, BATCH = 16, 4, 8, 16
@@ -125,14 +125,14 @@ def assert_same_metrics(want_dir, got_dir) -> None:
 
 
 def latest_step(run_dir) -> int | None:
-    """The step of the checkpoint `trainer.resume=latest` would pick, after checking that every file of it
-    loads with weights_only=True."""
-    found = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
-    if not found:
+    """The step of the checkpoint `trainer.resume=latest` would pick (the newest intact one), after checking that
+    every file its manifest lists loads with weights_only=True."""
+    newest, _ = newest_intact(os.path.join(run_dir, "checkpoints"), checksums=True)
+    if newest is None:
         return None
-    for name in os.listdir(found[-1]):
-        torch.load(os.path.join(found[-1], name), map_location="cpu", weights_only=True)
-    return int(os.path.basename(found[-1]).removeprefix("step_"))
+    for name in read_manifest(newest)["files"]:
+        torch.load(os.path.join(newest, name), map_location="cpu", weights_only=True)
+    return step_of(newest)
 
 
 def children(pid: int) -> list[int]:

@@ -1,12 +1,14 @@
 """Guarantees 1 and 2: a run killed with SIGKILL (the whole process tree, as when a node dies) anywhere: mid-step,
 mid-evaluation, at any point of a checkpoint write or of a prune, resumes with trainer.resume=latest and logs
-exactly the metrics of an uninterrupted run. Each test is one run, killed again and again, then finished."""
+exactly the metrics of an uninterrupted run. Each test is one run, killed again and again, then finished. A step's
+checkpoint is written before its evaluation, so a kill in the evaluation loses no training."""
 
 import os
 import random
 import time
 
 import pytest
+import torch
 
 from tests.reliability.harness import (
     LEDGER,
@@ -38,18 +40,21 @@ def test_sigkill_mid_step_mid_evaluation_and_at_a_random_moment(shapes, baseline
     kill(training)
     assert latest_step(run_dir) == 4
 
-    # During the evaluation of step 8: its metrics are logged, its checkpoint is not written yet.
+    # During the evaluation of step 8: its metrics are logged and its checkpoint, written first, owes the evaluation.
     training = Training(args, tmp_path / "2.log", env={"STABLECLIP_FAULT_PAUSE": "eval@8"})
     training.wait_for_pause("eval@8")
     kill(training)
-    assert latest_step(run_dir) == 4
+    assert latest_step(run_dir) == 8
+    assert torch.load(run_dir / "checkpoints/step_00000008/train_state.pt", weights_only=True)["eval_pending"]
 
-    # At a random moment of the rest: a step, a checkpoint write, a prune or the final evaluation.
+    # At a random moment of the rest: the resumed evaluation of step 8, a step, a checkpoint write, a prune or the
+    # final evaluation.
     training = Training(args, tmp_path / "3.log")
     training.wait_until(lambda: train_steps_logged(run_dir) >= 9)
     time.sleep(rng.uniform(0, 1.0))
     killed = kill(training)
-    assert latest_step(run_dir) in (4, 8, 12, 16)
+    assert latest_step(run_dir) in (8, 12, 16)
+    assert "step 8 eval:" in training.output()  # the resumed run evaluated step 8 first
 
     train(args, tmp_path / "4.log")
     assert_same_metrics(baseline, run_dir)

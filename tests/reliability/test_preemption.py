@@ -89,7 +89,7 @@ def test_torchrun_restarts_the_group_after_a_rank_dies(shapes, tmp_path):
     step = int(re.search(r"stopped at step (\d+) on a signal to another rank", training.output()).group(1))
     assert latest_step(run_dir) == step
     assert sorted(os.listdir(run_dir / f"checkpoints/step_{step:08d}")) == [
-        "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
+        "manifest.json", "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
 
     train(args, tmp_path / "2.log", torchrun=2)
     steps = [m["step"] for m in read_metrics(run_dir) if "train/loss" in m]
