@@ -36,6 +36,7 @@ from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
+from src.trainer.optim_resume import ResumedOptimizer, ResumedSchedule, resume_summary
 from src.trainer.preemption import Preemption
 from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
@@ -187,9 +188,12 @@ class Trainer:
         self.patch_embed = dict(self.model.named_parameters())[self.parts.patch_embed]
         self.spikes = SpikeDetector(cfg.spikes)
         self.progress = Progress(world_size=dist_info.world_size)
+        # A resume applies changed optimizer settings (src/trainer/optim_resume.py) and says which.
+        self.resumed_optimizer = ResumedOptimizer(checkpoint.OptimizerState(self.model, self.optimizer), cfg)
+        self.resumed_schedule = ResumedSchedule(self.scheduler, cfg)
         self.state = TrainState(
             model=checkpoint.ModelState(self.model), progress=self.progress,
-            shared={"optimizer": checkpoint.OptimizerState(self.model, self.optimizer), "scheduler": self.scheduler,
+            shared={"optimizer": self.resumed_optimizer, "scheduler": self.resumed_schedule,
                     "scaler": self.scaler, "spikes": self.spikes},
             per_rank={"data": self.loader, "rng": RNGState()},
         )
@@ -382,3 +386,6 @@ class Trainer:
             return
         checkpoint.load_train_state(path, self.state, rank=self.dist.rank)
         log.info("resumed from %s at step %d", path, self.progress.step)
+        changed = resume_summary(self.resumed_optimizer, self.resumed_schedule, self.progress.step)
+        if changed and self.dist.is_main:
+            log.warning(changed)
