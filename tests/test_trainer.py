@@ -153,3 +153,46 @@ def test_resume_with_another_optimizer_loads_the_weights_and_starts_fresh_moment
                                 "optim.weight_decay=0.1", "optim.betas=[0.9,0.95]"))
     assert "optim.betas [0.9, 0.99] -> [0.9, 0.95]: weights loaded" in result.stdout + result.stderr
     assert adam_steps(run_dir / "checkpoints/step_00000010") == {3}
+
+
+def same_length_caption_shard(path) -> None:
+    """Synthetic shapes captioned "a <colour> <shape>": every caption is 5 tokens long, as on a first custom
+    dataset of templated captions."""
+    import io
+    import random
+
+    import webdataset as wds
+
+    from src.tools.synthetic_shapes import CLASSES, draw_sample
+
+    path.parent.mkdir(parents=True)
+    with wds.TarWriter(str(path)) as sink:
+        for index in range(64):
+            image, label, _ = draw_sample(random.Random(index), 32)
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG")
+            sink.write({"__key__": f"{index:09d}", "jpg": buffer.getvalue(), "txt": f"a {CLASSES[label]}"})
+
+
+def test_a_run_with_exactly_zero_gradients_stops_and_the_default_init_escapes(tmp_path):
+    """Zero-init layer-scale and captions of one token length: every embedding of a tower is the same, the
+    contrastive gradient is exactly 0 (at batch 2 on the CPU, without even rounding noise) and the run stops
+    with the explanation; the default layer-scale init trains on the same data."""
+    from tests.conftest import compose_config
+
+    shard = tmp_path / "data" / "train-000000.tar"
+    same_length_caption_shard(shard)
+    run = ["experiment=quickstart", f"data.shards={shard}", "data.eval_shards=null", "data.generate=false",
+           "trainer.progress=false", "data.batch_size=2", "data.num_workers=0", "trainer.log_every=4",
+           "optim.warmup_steps=2", "trainer.max_steps=8", "trainer.eval.every=0", "trainer.ckpt_every=0"]
+    with pytest.raises(AssertionError, match="train/grad_norm was exactly 0 at every step from 0 to 3") as error:
+        run_train([*run, f"trainer.run_dir={tmp_path / 'zero'}", "model.ls_init_value=0.0"])
+    assert "model.ls_init_value" in str(error.value) and "captions of varied length" in str(error.value)
+    assert sorted(train_lines(tmp_path / "zero")) == [0, 1, 2, 3]  # logged, then stopped
+    assert all(m["train/grad_norm"] == 0.0 for m in train_lines(tmp_path / "zero").values())
+
+    default = compose_config(["model=vit_tiny"]).model.ls_init_value
+    assert default and 0 < default <= 1e-3  # near the paper's zero-init
+    run_train([*run, f"trainer.run_dir={tmp_path / 'default'}", f"model.ls_init_value={default}"])
+    lines = train_lines(tmp_path / "default")
+    assert sorted(lines) == list(range(8)) and all(m["train/grad_norm"] > 0 for m in lines.values())
