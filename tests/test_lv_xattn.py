@@ -148,6 +148,16 @@ def run_layer(case: Case, t: dict[str, torch.Tensor]) -> dict:
     return dict(out=y.detach(), dtext=text.grad, dvisual=visual.grad, saved=saved, grads=grads)
 
 
+def strided(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as views that are not contiguous (every other element of a tensor twice as long in its
+    last dim), as a caller's slices of a larger batch are."""
+    return {name: torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0] for name, x in t.items()}
+
+
+def strided_cases(world: int) -> list[Case]:
+    return [c for c in op_cases(world) if c.name == "masked"] + [c for c in layer_cases(world) if not c.recompute]
+
+
 def worker(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
@@ -159,6 +169,10 @@ def worker(rank: int, world: int, folder: str) -> None:
             local = local_part(case, tensors(case), rank)
             lengths = shard_lengths(local["q"].shape[2], local["k"].shape[2], local["q"].device)
             results[f"{case.id}-lengths"] = run_op(case, local, lengths=lengths)
+    for case in strided_cases(world):  # q, k, v, masks and ids as views: gloo refuses to send such tensors
+        local = strided(local_part(case, tensors(case), rank))
+        results[f"{case.id}-contiguous"] = {name: x.is_contiguous() for name, x in local.items() if x.numel() > 1}
+        results[f"{case.id}-strided"] = (run_layer if case.layer else run_op)(case, local)
     try:  # lengths that disagree with this rank's tensors
         lv_module.lv_xattn(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8),
                            lengths=ShardLengths((4,) * world, (2,) * world))
@@ -300,6 +314,25 @@ def test_lengths_given_beforehand_change_nothing(distributed):
                 assert same, f"{case.id} rank {rank} {name}"
     for rank, got in enumerate(results):
         assert f"lengths say rank {rank} holds 4 queries and 2 keys, but it holds 3 and 2" in got["lengths_error"]
+
+
+def test_strided_inputs_give_the_results_of_contiguous_ones(distributed):
+    """Views (slices of larger tensors) for q, k, v, the key-padding mask and the segment ids, through the op and
+    the layer: the same outputs, gradients and bytes as contiguous inputs, bit for bit."""
+    world, results = distributed
+    for case in strided_cases(world):
+        assert any(got[f"{case.id}-contiguous"] for got in results), case.id  # some rank holds views
+        for rank, got in enumerate(results):
+            contiguous = got[f"{case.id}-contiguous"]  # an empty shard has nothing to be strided
+            assert not any(contiguous.values()), f"{case.id} rank {rank}: {contiguous}"
+            expected, actual = got[case.id], got[f"{case.id}-strided"]
+            for name in expected.keys() - {"saved"}:
+                want, have = expected[name], actual[name]
+                if isinstance(want, dict):
+                    assert want.keys() == have.keys() and all(torch.equal(want[n], have[n]) for n in want), name
+                else:
+                    same = torch.equal(have, want) if isinstance(want, torch.Tensor) else have == want
+                    assert same, f"{case.id} rank {rank} {name}"
 
 
 def test_replicated_queries_of_different_lengths_fail_on_every_rank(distributed):

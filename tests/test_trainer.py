@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import shutil
 
@@ -102,3 +103,94 @@ def test_wandb_offline_run_and_spike_events(shapes, tmp_path):
     assert [e["step"] for e in events if e["type"] == "loss"] == [2]  # consecutive spikes merge into one
     lines = train_lines(run_dir)
     assert [s for s, m in lines.items() if m["spike/loss"]] == [2] and lines[5]["spike/loss_spikes"] == 1
+
+
+def adam_steps(checkpoint_dir) -> set[int]:
+    """Adam's step count of every parameter in a checkpoint's optimizer state."""
+    state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)["optimizer"]["state"]
+    return {int(s["step"]) for s in state.values()}
+
+
+def test_resume_applies_a_changed_learning_rate_and_schedule_from_the_resumed_step(shapes, tmp_path):
+    from src.optim.schedule import warmup_cosine
+
+    run_dir = tmp_path / "run"
+    common = ["trainer.max_steps=12", "trainer.eval.every=0", "trainer.ckpt_every=6"]
+    run_train(tiny_run(shapes, run_dir, *common, "trainer.stop_at_step=6"))  # quickstart: lr 2e-3, warmup 5
+    before = train_lines(run_dir)
+    result = run_train(tiny_run(shapes, run_dir, *common, "trainer.resume=latest", "optim.lr=5e-4",
+                                "optim.min_lr_ratio=0.1"))
+    lines = train_lines(run_dir)
+    assert sorted(lines) == list(range(12))
+    assert all(lines[s]["train/lr"] == before[s]["train/lr"] for s in range(6))
+    for step in range(6, 12):
+        assert lines[step]["train/lr"] == pytest.approx(5e-4 * warmup_cosine(step, 5, 12, 0.1), rel=1e-12), step
+    assert ("resumed with changed optimizer settings: optim.lr 0.002 -> 0.0005, optim.min_lr_ratio 0.0 -> 0.1: "
+            "the schedule follows them from step 6") in result.stdout + result.stderr
+    assert "fresh moments" not in result.stdout + result.stderr
+    assert adam_steps(run_dir / "checkpoints/step_00000012") == {12}  # the moments went on
+
+
+def test_resume_with_another_optimizer_loads_the_weights_and_starts_fresh_moments(shapes, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["trainer.max_steps=10", "trainer.eval.every=0", "trainer.ckpt_every=6"]
+    run_train(tiny_run(shapes, run_dir, *common, "trainer.stop_at_step=6"))
+    weights = torch.load(run_dir / "checkpoints/step_00000006/model.pt", weights_only=True)
+    # optim=stable_adamw brings its own lr (2e-3, as the quickstart's) and betas; weight_decay as quickstart's
+    result = run_train(tiny_run(shapes, run_dir, *common, "trainer.resume=latest", "optim=stable_adamw",
+                                "optim.weight_decay=0.1", "trainer.stop_at_step=7"))
+    assert ("optim.name adamw -> stable_adamw, class AdamW -> StableAdamW: weights loaded, the optimizer starts "
+            "with fresh moments") in result.stdout + result.stderr
+    assert adam_steps(run_dir / "checkpoints/step_00000007") == {1}  # one step since the resume, not seven
+    lines = train_lines(run_dir)
+    assert sorted(lines) == list(range(7)) and math.isfinite(lines[6]["train/loss"])
+    # Step 6 started from the saved weights: the first step of fresh Adam moves each weight by about lr.
+    after = torch.load(run_dir / "checkpoints/step_00000007/model.pt", weights_only=True)
+    moved = max((after[k] - weights[k]).abs().max().item() for k in weights if weights[k].is_floating_point())
+    assert 0 < moved < 3 * 2e-3
+    # And a changed beta alone (the same optimizer class) is another optimizer too.
+    result = run_train(tiny_run(shapes, run_dir, *common, "trainer.resume=latest", "optim=stable_adamw",
+                                "optim.weight_decay=0.1", "optim.betas=[0.9,0.95]"))
+    assert "optim.betas [0.9, 0.99] -> [0.9, 0.95]: weights loaded" in result.stdout + result.stderr
+    assert adam_steps(run_dir / "checkpoints/step_00000010") == {3}
+
+
+def same_length_caption_shard(path) -> None:
+    """Synthetic shapes captioned "a <colour> <shape>": every caption is 5 tokens long, as on a first custom
+    dataset of templated captions."""
+    import io
+    import random
+
+    import webdataset as wds
+
+    from src.tools.synthetic_shapes import CLASSES, draw_sample
+
+    path.parent.mkdir(parents=True)
+    with wds.TarWriter(str(path)) as sink:
+        for index in range(64):
+            image, label, _ = draw_sample(random.Random(index), 32)
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG")
+            sink.write({"__key__": f"{index:09d}", "jpg": buffer.getvalue(), "txt": f"a {CLASSES[label]}"})
+
+
+def test_a_run_with_exactly_zero_gradients_stops_and_the_fix_it_names_trains(tmp_path):
+    """Zero-init layer-scale and captions of one token length: every embedding of a tower is the same, the
+    contrastive gradient is exactly 0 (at batch 2 on the CPU, without even rounding noise) and the run stops
+    with the explanation; the near-zero layer-scale init the message suggests trains on the same data."""
+
+    shard = tmp_path / "data" / "train-000000.tar"
+    same_length_caption_shard(shard)
+    run = ["experiment=quickstart", f"data.shards={shard}", "data.eval_shards=null", "data.generate=false",
+           "trainer.progress=false", "data.batch_size=2", "data.num_workers=0", "trainer.log_every=4",
+           "optim.warmup_steps=2", "trainer.max_steps=8", "trainer.eval.every=0", "trainer.ckpt_every=0"]
+    with pytest.raises(AssertionError, match="train/grad_norm was exactly 0 at every step from 0 to 3") as error:
+        run_train([*run, f"trainer.run_dir={tmp_path / 'zero'}", "model.ls_init_value=0.0"])
+    assert "model.ls_init_value" in str(error.value) and "captions of varied length" in str(error.value)
+    assert sorted(train_lines(tmp_path / "zero")) == [0, 1, 2, 3]  # logged, then stopped
+    assert all(m["train/grad_norm"] == 0.0 for m in train_lines(tmp_path / "zero").values())
+
+    assert "1e-4" in str(error.value)
+    run_train([*run, f"trainer.run_dir={tmp_path / 'near_zero'}", "model.ls_init_value=1e-4"])
+    lines = train_lines(tmp_path / "near_zero")
+    assert sorted(lines) == list(range(8)) and all(m["train/grad_norm"] > 0 for m in lines.values())

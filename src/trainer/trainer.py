@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import time
@@ -36,6 +37,7 @@ from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.evaluate import evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
+from src.trainer.optim_resume import ResumedOptimizer, ResumedSchedule, resume_summary
 from src.trainer.preemption import Preemption
 from src.trainer.pretrained import load_pretrained
 from src.trainer.spikes import SpikeDetector
@@ -187,9 +189,12 @@ class Trainer:
         self.patch_embed = dict(self.model.named_parameters())[self.parts.patch_embed]
         self.spikes = SpikeDetector(cfg.spikes)
         self.progress = Progress(world_size=dist_info.world_size)
+        # A resume applies changed optimizer settings (src/trainer/optim_resume.py) and says which.
+        self.resumed_optimizer = ResumedOptimizer(checkpoint.OptimizerState(self.model, self.optimizer), cfg)
+        self.resumed_schedule = ResumedSchedule(self.scheduler, cfg)
         self.state = TrainState(
             model=checkpoint.ModelState(self.model), progress=self.progress,
-            shared={"optimizer": checkpoint.OptimizerState(self.model, self.optimizer), "scheduler": self.scheduler,
+            shared={"optimizer": self.resumed_optimizer, "scheduler": self.resumed_schedule,
                     "scaler": self.scaler, "spikes": self.spikes},
             per_rank={"data": self.loader, "rng": RNGState()},
         )
@@ -284,7 +289,8 @@ class Trainer:
             stop = self.preemption.requested()
             if stop or self.progress.step % cfg.log_every == 0 or self.progress.step == end:
                 elapsed = time.perf_counter() - window_start
-                self.flush_metrics(pending, self.cfg.data.batch_size * window_steps / elapsed)
+                records = self.flush_metrics(pending, self.cfg.data.batch_size * window_steps / elapsed)
+                self.check_zero_gradient(records)
                 pending, window_start, window_steps = [], time.perf_counter(), 0
                 self.check_nonfinite()
             evaluate_now = cfg.eval.every > 0 and self.progress.step % cfg.eval.every == 0
@@ -320,12 +326,32 @@ class Trainer:
             "or check the data near this step, then continue with trainer.resume=latest"
         )
 
-    def flush_metrics(self, pending: list, samples_per_s: float) -> None:
-        """The one host sync of a logging window: all of its per-step values come over at once."""
+    def check_zero_gradient(self, records: list[dict]) -> None:
+        """Stop a run whose gradient was exactly 0 at every step of a logging window: nothing in it trains. The
+        values came over with the window's metrics, so this costs no host sync."""
+        if not records or any(r["train/grad_norm"] != 0.0 or r["train/skipped_step"] for r in records):
+            return
+        first, last, batch = records[0]["step"], records[-1]["step"], self.cfg.data.batch_size
+        loss = records[-1]["train/loss"]
+        raise RuntimeError(
+            f"train/grad_norm was exactly 0 at every step from {first} to {last} (loss {loss:.4f}, "
+            f"ln(data.batch_size={batch}) = {math.log(batch):.4f}): the loss gives no gradient, so nothing trains. "
+            "It happens when every image embedding and every text embedding of a batch are identical, and so are "
+            "the logits: with model.ls_init_value=0 every block starts as the identity, so a tower's embedding "
+            "depends only on its pooled token (the image class token; the end-of-text token and its position), and "
+            "captions that all have the same token length give one text embedding. Set model.ls_init_value to a "
+            "small non-zero value (1e-4 keeps blocks within 1e-4 of the identity) or null, or train on captions of "
+            "varied length; a global batch of one sample has nothing to contrast either (raise data.batch_size)"
+        )
+
+    def flush_metrics(self, pending: list, samples_per_s: float) -> list[dict]:
+        """The one host sync of a logging window: all of its per-step values come over at once. Returns the
+        window's records."""
         names = list(pending[0][2])
         values = torch.stack([torch.stack([v[n].float() for n in names]) for _, _, v in pending])
         values[:, names.index("loss")] = all_reduce_mean(values[:, names.index("loss")])
         bad_data = self.loader.bad_counts()  # this rank's, cumulative
+        records = []
         for (step, lr, _), row in zip(pending, values.tolist()):
             record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
             record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
@@ -337,8 +363,10 @@ class Trainer:
             if self.dist.is_main and self.cfg.spikes.enabled:
                 record.update(self.detect_spikes(step, record))
             self.metrics.log(step, record)
+            records.append({"step": step, **record})
         self.metrics.flush(self.progress.step,
                            {"loss": record["train/loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
+        return records
 
     def detect_spikes(self, step: int, record: dict) -> dict:
         events = self.spikes.update(step, record["train/loss"], record.get("optim/rms/patch_embed"))
@@ -388,3 +416,6 @@ class Trainer:
         checkpoint.load_train_state(path, self.state, rank=self.dist.rank)
         self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.progress.step)
+        changed = resume_summary(self.resumed_optimizer, self.resumed_schedule, self.progress.step)
+        if changed and self.dist.is_main:
+            log.warning(changed)

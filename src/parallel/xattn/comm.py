@@ -184,11 +184,16 @@ def make_layout(
         if not q_sharded and row[0] != sq:
             raise ValueError(f"q_sharded=False needs the same queries on every rank, but rank {other} has "
                              f"Sq_local={row[0]} and rank {rank} has {sq}: pass q_sharded=True for sharded queries")
+    # The masks travel (point-to-point or gathered), and gloo and NCCL send only contiguous tensors; a caller's
+    # masks are often views (a slice of a batch's mask), so they are made contiguous here, once per call.
     return ShardLayout(
         group, rank, world, tuple(r[0] for r in rows), tuple(r[1] for r in rows), q_sharded,
-        dim ** -0.5 if scale is None else scale, counter, key_padding_mask,
-        None if q_segment_ids is None else q_segment_ids.long(),
-        None if kv_segment_ids is None else kv_segment_ids.long())
+        dim ** -0.5 if scale is None else scale, counter, _contiguous(key_padding_mask),
+        _contiguous(q_segment_ids, torch.long), _contiguous(kv_segment_ids, torch.long))
+
+
+def _contiguous(x: Tensor | None, dtype: torch.dtype | None = None) -> Tensor | None:
+    return None if x is None else x.to(dtype or x.dtype).contiguous()
 
 
 def ring_pass(
