@@ -189,8 +189,10 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     run_dir = tempfile.mkdtemp(prefix="throughput-")
     base = [f"model={args.model}", "precision=bf16", "optim=adamw", "logger=none", f"data.batch_size={args.batch}",
             f"trainer.device={args.device}", "trainer.progress=false", f"trainer.run_dir={run_dir}"]
+    # Compute-only steps take their batch from memory: data.generate=true tells preflight that the synthetic
+    # shards need not exist (nothing here writes them, and the on-device loader never reads them).
     base += ["data=laion_wds", "data.mode=resampled"] if end_to_end else ["data=synthetic_shapes",
-                                                                          "data.generate=false"]
+                                                                          "data.generate=true"]
     cfg = compose_config(base + [token for token in overrides if not token.startswith(MODULE_SETTING)])
     check_warmup(cfg, args.warmup)
     if end_to_end:

@@ -86,7 +86,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.grad_clip_norm", lambda v: v is None or (FINITE(v) and v > 0), "a finite number above 0 (or null)"),
     ("precision.fixed_scale", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("spikes.rms_threshold", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
-    ("spikes.loss_std_factor", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("spikes.loss_std_factor", FINITE, "a finite number (below 0 flags every step, as tests do)"),
     ("spikes.window", lambda v: v >= 2, "at least 2 (a standard deviation needs two losses)"),
     ("spikes.ignore_first", lambda v: v >= 0, "0 or more"),
     ("spikes.merge_within", lambda v: v >= 0, "0 or more"),

@@ -43,11 +43,21 @@ def test_a_second_run_on_a_busy_run_directory_stops_at_once(shapes, tmp_path):
     LEDGER.append(("11 second run on one run directory", 2, 1, 0))
 
 
+def set_then_sleep(event, seconds: float) -> None:
+    event.set()
+    time.sleep(seconds)
+
+
 def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     """A loader worker is forked while the trainer holds the lock; it must not hold it once the trainer is gone."""
     lock = lock_run_dir(str(tmp_path), is_main=True)
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    context = multiprocessing.get_context("fork")
+    running = context.Event()
+    child = context.Process(target=set_then_sleep, args=(running, 60))
     child.start()
+    # The fork handlers run in the child before its target: once it has set the event, its copy is closed (on a
+    # busy machine the parent could otherwise test the lock before the child has run them).
+    assert running.wait(30)
     try:
         with pytest.raises(RunDirInUse, match=f"pid {os.getpid()} on "):
             lock_run_dir(str(tmp_path), is_main=True)
