@@ -2,8 +2,10 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import tarfile
+import time
 from dataclasses import replace
 
 import pytest
@@ -140,7 +142,7 @@ def test_small_jpegs_decode_as_pil_does_and_large_ones_at_a_reduced_scale(mode):
         with Image.open(io.BytesIO(buffer.getvalue())) as img:
             img.draft("RGB", (size, size))
             want = TF.pil_to_tensor(img.convert("RGB"))
-        got = load_rgb(buffer.getvalue(), size)
+        got = load_rgb(buffer.getvalue(), size, None)
         assert got.shape == (3, *shape) and torch.equal(got, want), (mode, width)
 
 
@@ -262,8 +264,89 @@ def test_bad_fraction_limit_fails_naming_the_shard(tmp_path, shapes):
 
 def test_pipe_sources_are_read(shapes):
     url = expand_shards(shapes["shards"])[0]
-    batch = next(TrainLoader(data_config(f"pipe:cat {url}", 10, 0), image_size=32, context_length=16, seed=0))
+    cfg = data_config(f"pipe:cat {url}", 10, 0, allow_pipe=True)
+    batch = next(TrainLoader(cfg, image_size=32, context_length=16, seed=0))
     assert len(batch["keys"]) == 10
+
+
+@pytest.mark.parametrize("key", ["shards", "eval_shards", "sources"])
+def test_pipe_urls_need_allow_pipe(shapes, key):
+    """A pipe: URL runs a shell command: without data.allow_pipe=true neither the loader nor preflight starts one."""
+    from src.parallel.distributed import DistInfo
+    from src.trainer.preflight import preflight
+
+    command = f"pipe:cat {expand_shards(shapes['shards'])[0]}"
+    values = {"shards": shapes["shards"], key: command} if key != "sources" else {
+        "shards": None, "sources": [SourceConfig(shards=f"{shapes['shards']}::{command}", weight=1.0)]}
+    name = {"shards": "data.shards", "eval_shards": "data.eval_shards", "sources": r"data.sources\[0\].shards"}[key]
+    message = rf"{name} holds '{re.escape(command)}', a pipe: URL.*data.allow_pipe=false: set data.allow_pipe=true"
+    if key != "eval_shards":  # the loader reads no eval shards
+        with pytest.raises(ValueError, match=message):
+            TrainLoader(data_config(**{"batch_size": 10, "num_workers": 0, **values}), image_size=32, context_length=16,
+                        seed=0)
+    cfg = compose_config(["experiment=quickstart", "data.generate=false"])
+    cfg.data = data_config(**{"batch_size": 10, "num_workers": 0, **values})
+    with pytest.raises(ValueError, match=message):
+        preflight(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "/nonexistent-run-dir")
+    cfg.data.allow_pipe = True
+    preflight(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "/nonexistent-run-dir")
+
+
+def read_pipe(command: str, retries: int) -> tuple[list[str], dict[str, int], float]:
+    """Keys read from a real pipe: command, the bad counts, and the seconds it took."""
+    bad, start = reader_module.BadData(), time.monotonic()
+    keys = [s["__key__"] for s in reader_module.read_shard(f"pipe:{command}", bad, retries, retry_wait_s=0.2)]
+    return keys, dict(bad.counts), time.monotonic() - start
+
+
+def test_a_failing_pipe_command_is_retried_then_skipped(tmp_path, shapes):
+    """A command that fails before giving a sample is retried data.shard_retries times, then counted as
+    unreadable_shard; nothing raises (before, closing the pipe raised outside any handler)."""
+    attempts = tmp_path / "attempts"
+    keys, counts, seconds = read_pipe(f"echo x >> {attempts}; cat {tmp_path}/missing.tar", retries=2)
+    assert keys == [] and counts == {"unreadable_shard": 1}
+    assert attempts.read_text() == "x\nx\nx\n" and seconds >= 0.4  # three attempts, two waits
+    # A command that fails at first and then works (a network blip): its samples come once, nothing is counted.
+    url = expand_shards(shapes["shards"])[0]
+    flaky = f"if [ -e {tmp_path}/once ]; then cat {url}; else touch {tmp_path}/once; exit 1; fi"
+    keys, counts, _ = read_pipe(flaky, retries=1)
+    assert len(keys) == len(set(keys)) == 100 and counts == {}
+
+
+@pytest.mark.parametrize("tail", ["; exit 1", ""])
+def test_a_pipe_command_failing_midway_keeps_what_it_gave_and_is_not_reread(shapes, tail):
+    """`head -c` cuts the tar after a few samples; with or without a failing exit status, the shard counts as
+    truncated_shard, and is not read again from its start (its first samples would come twice)."""
+    url = expand_shards(shapes["shards"])[0]
+    keys, counts, _ = read_pipe(f"head -c {os.path.getsize(url) // 2} {url}{tail}", retries=2)
+    with tarfile.open(url) as tar:
+        first = sorted({m.name.split(".")[0] for m in tar.getmembers()})
+    assert 0 < len(keys) < 100 and keys == first[: len(keys)]  # once each, in order
+    assert counts == {"truncated_shard": 1}
+
+
+def test_a_pipe_command_that_succeeds_but_fails_in_the_end_is_counted(shapes):
+    url = expand_shards(shapes["shards"])[0]
+    keys, counts, _ = read_pipe(f"cat {url}; exit 3", retries=2)
+    assert len(keys) == 100 and counts == {"truncated_shard": 1}
+
+
+def test_a_pipe_command_is_stopped_with_its_children_when_reading_stops(tmp_path, shapes):
+    """The reader stops early (its quota, the end of training): the command and what it started are killed, not
+    left running."""
+    url = expand_shards(shapes["shards"])[0]
+    pid_file = tmp_path / "sleeper"
+    command = f"pipe:cat {url}; sleep 300 & echo $! > {pid_file}; wait"
+    samples = reader_module.read_shard(command, reader_module.BadData(), 0)
+    for _ in range(100):
+        next(samples)
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sleeper = int(pid_file.read_text())
+    samples.close()
+    assert not os.path.exists(f"/proc/{sleeper}") or open(f"/proc/{sleeper}/stat").read().split()[2] == "Z"
 
 
 def test_sizes_fall_back_to_img2dataset_stats(tmp_path, shapes):

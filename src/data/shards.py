@@ -8,6 +8,8 @@ import random
 
 from webdataset.shardlists import expand_urls
 
+from src.config import DataConfig
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image members a sample may have, in order of preference
 
 
@@ -28,6 +30,22 @@ def expand_shards(pattern: str, key: str = "data.shards") -> list[str]:
             "fix the pattern or the missing files"
         )
     return urls
+
+
+def check_pipe_allowed(data: DataConfig) -> None:
+    """A `pipe:` URL runs its text as a shell command, so a configuration shared between people would run one
+    person's commands as another: such URLs need an explicit data.allow_pipe=true."""
+    if data.allow_pipe:
+        return
+    patterns = {"data.shards": data.shards, "data.eval_shards": data.eval_shards,
+                **{f"data.sources[{i}].shards": source.shards for i, source in enumerate(data.sources)}}
+    for key, pattern in patterns.items():
+        command = next((url for url in (expand_urls(pattern) if pattern else []) if url.startswith("pipe:")), None)
+        if command is not None:
+            raise ValueError(
+                f"{key} holds {command!r}, a pipe: URL, which runs a shell command, but data.allow_pipe=false: set "
+                "data.allow_pipe=true if you trust every command of this configuration, or use local shards"
+            )
 
 
 def shards_for_reader(

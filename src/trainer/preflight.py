@@ -16,6 +16,7 @@ from typing import Any
 
 from src.config import ModelConfig, TrainConfig
 from src.data.loader import check_batch_size
+from src.data.shards import check_pipe_allowed
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
@@ -31,6 +32,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.crop_scale_min", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("data.max_bad_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.shard_retries", lambda v: v >= 0, "0 or more"),
+    ("data.max_image_pixels", lambda v: v >= 1, "at least 1"),
     ("optim.lr", lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
     ("optim.eps", lambda v: math.isfinite(v) and v > 0, "a finite number above 0"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
@@ -85,6 +87,7 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
     model, video = cfg.model, bool(cfg.data.frames)
     checks = [
         lambda: check_batch_size(cfg.data.batch_size, dist_info.world_size),
+        lambda: check_pipe_allowed(cfg.data),
         lambda: check_sp_size(cfg.trainer.sp_size, dist_info.world_size),
         lambda: check_data_parallel(cfg.trainer.data_parallel, video),
         lambda: check_heads(model, video),
