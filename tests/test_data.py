@@ -4,17 +4,22 @@ import os
 import random
 import re
 import shutil
+import struct
 import tarfile
 import time
+import zlib
 from dataclasses import replace
 
 import pytest
 import torch
+from PIL import Image
 
 from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
+from src.data.image_text import OversizedImage
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
+from src.data.video_text import decode_clip
 from src.tools.synthetic_shapes import draw_sample, where
 from tests.conftest import compose_config
 
@@ -122,6 +127,72 @@ def test_corrupt_image_is_skipped(tmp_path, shapes):
     batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
     batch = next(batches)
     assert len(batch["keys"]) == 33 and batches.bad_counts() == {"corrupt_image": 1}
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A real, valid 1-bit PNG of width x height black pixels: a few kB that PIL decodes to width x height bytes
+    (and our RGB conversion to three times that). Written row by row, so making it takes no such memory."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    packer, row = zlib.compressobj(9), b"\0" * (1 + (width + 7) // 8)  # filter byte, then packed bits
+    pixels = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def first_sample_edited(shapes, tmp_path, ext: str, content: bytes) -> str:
+    """A copy of the first training shard whose first sample's `.ext` member is `content`."""
+    url, first = expand_shards(shapes["shards"])[0], None
+
+    def edit(name: str, data: bytes) -> bytes:
+        nonlocal first
+        first = first or name.split(".")[0]
+        return content if name == f"{first}.{ext}" else data
+
+    rewrite_shard(url, tmp_path / "edited.tar", edit)
+    return str(tmp_path / "edited.tar")
+
+
+def test_a_decompression_bomb_is_skipped_from_its_header(tmp_path, shapes):
+    """A 12000 x 12000 PNG of a few kB (below PIL's own limit, 179 Mpx) would decode to 432 MB of RGB in a worker:
+    it is refused from its header, counted as oversized_image, and never decoded."""
+    bomb = png_bomb(12000, 12000)
+    assert len(bomb) < 100_000
+    with Image.open(io.BytesIO(bomb)) as img:  # live: PIL opens it without complaint
+        assert img.size == (12000, 12000)
+    cfg = data_config(first_sample_edited(shapes, tmp_path, "jpg", bomb), 20, 0, shuffle_buffer=1)
+    assert cfg.max_image_pixels == 2**26  # the default: 8192 x 8192
+    batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    start = time.process_time()
+    batch = next(batches)
+    assert len(batch["keys"]) == 20 and batches.bad_counts() == {"oversized_image": 1}
+    assert time.process_time() - start < 5  # decoding it alone takes seconds and 432 MB
+    frames = {"__key__": "clip", **{f"f{i:03d}.jpg": bomb for i in range(4)}}
+    with pytest.raises(OversizedImage, match="12000x12000 = 144000000 pixels, above data.max_image_pixels=67108864"):
+        decode_clip(frames, 4, 32, None, 1.0, cfg.max_image_pixels)
+
+
+def test_a_caption_that_is_not_utf8_is_a_bad_caption(tmp_path, shapes):
+    cfg = data_config(first_sample_edited(shapes, tmp_path, "txt", b"caf\xe9 \xff"), 20, 0, shuffle_buffer=1)
+    batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    assert len(next(batches)["keys"]) == 20 and batches.bad_counts() == {"bad_caption": 1}
+
+
+def test_shards_cut_at_a_member_boundary_or_empty_are_counted(tmp_path, shapes):
+    """tarfile alone reads a tar cut just before a header, or garbled after its first member, as complete; the
+    reader counts both as truncated_shard. A complete tar without a sample is counted as empty_shard."""
+    url = expand_shards(shapes["shards"])[0]
+    with tarfile.open(url) as tar:
+        cut = tar.getmembers()[30].offset
+    data = open(url, "rb").read()
+    (tmp_path / "cut.tar").write_bytes(data[:cut])
+    (tmp_path / "garbled.tar").write_bytes(data[:cut] + os.urandom(len(data) - cut))
+    tarfile.open(tmp_path / "empty.tar", "w").close()
+    for name, reason in (("cut", "truncated_shard"), ("garbled", "truncated_shard"), ("empty", "empty_shard")):
+        bad = reader_module.BadData()
+        keys = [s["__key__"] for s in reader_module.read_shard(str(tmp_path / f"{name}.tar"), bad, retries=0)]
+        assert len(keys) < 30 and dict(bad.counts) == {reason: 1}, name
 
 
 @pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])

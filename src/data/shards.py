@@ -72,9 +72,9 @@ def stats_count(shard: str) -> int | None:
         return json.load(f).get("successes")
 
 
-def read_sizes(shards: list[str]) -> dict[str, int] | None:
-    """Sample count of every local shard, from the `sizes.json` beside it ({shard file name: count}) or else
-    img2dataset's `_stats.json`; None when any shard's count is unknown."""
+def recorded_sizes(shards: list[str]) -> dict[str, int]:
+    """The sample count of each local shard that has one: from the `sizes.json` beside it ({shard file name:
+    count}) or else img2dataset's `_stats.json`."""
     sizes: dict[str, int] = {}
     for directory in sorted({os.path.dirname(s) for s in shards if is_local(s)}):
         path = os.path.join(directory, "sizes.json")
@@ -84,6 +84,10 @@ def read_sizes(shards: list[str]) -> dict[str, int] | None:
     for shard in shards:
         if shard not in sizes and is_local(shard) and (count := stats_count(shard)) is not None:
             sizes[shard] = count
-    if not all(s in sizes for s in shards):
-        return None
-    return {s: sizes[s] for s in shards}
+    return {s: sizes[s] for s in shards if s in sizes}
+
+
+def read_sizes(shards: list[str]) -> dict[str, int] | None:
+    """Sample count of every shard (`recorded_sizes`); None when any shard's count is unknown."""
+    sizes = recorded_sizes(shards)
+    return sizes if len(sizes) == len(set(shards)) else None
