@@ -276,7 +276,7 @@ def crop_uint8(image: torch.Tensor, rng: random.Random) -> torch.Tensor:
 
 
 def decode_ours(data: bytes, rng: random.Random) -> torch.Tensor:
-    return decode_image(data, IMAGE_SIZE, rng, CROP_SCALE_MIN)
+    return decode_image(data, IMAGE_SIZE, rng, CROP_SCALE_MIN, None)
 
 
 def decode_pil_draft(data: bytes, rng: random.Random) -> torch.Tensor:

@@ -353,11 +353,11 @@ def use_bench_mp4_decoder() -> None:
     shards, but an `mp4` member is decoded by `seek_decode` (the workers are forked and inherit this)."""
     original = loader_module.decode_pixels
 
-    def decode_pixels(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float):
+    def decode_pixels(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, *rest):
         if frames and "mp4" in sample:
             rng = rng or random.Random(0)
             return crop_clip(seek_decode(io.BytesIO(sample["mp4"]), frames, rng), size, rng)
-        return original(sample, frames, size, rng, scale_min)
+        return original(sample, frames, size, rng, scale_min, *rest)
 
     loader_module.decode_pixels = decode_pixels
 

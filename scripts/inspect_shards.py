@@ -1,8 +1,10 @@
 """Check webdataset image-text shards: counts, member types, corrupt images or tars, caption lengths.
 
-    python scripts/inspect_shards.py 'data/laion/{00000..00012}.tar' [--json] [--workers 4]
+    python scripts/inspect_shards.py 'data/laion/{00000..00012}.tar' [--json] [--workers 4] [--max-image-pixels N]
 
-Reads every tar fully (bytes only: nothing is unpickled or executed) and decodes every image. Counts are
+Reads every tar fully (bytes only: nothing is unpickled or executed) and decodes every image, except those
+whose header gives more pixels than --max-image-pixels (training's data.max_image_pixels, by default the value
+in configs/data/base.yaml): training skips those unread, and so they are reported as oversized_image. Counts are
 compared with sizes.json and each {shard}_stats.json when they are present. Prints a table, or one JSON
 object with --json. Exit code 0 when the shards are clean, 1 when problems were found, 2 for usage errors.
 """
@@ -13,9 +15,13 @@ import argparse
 import json
 import os
 
+from omegaconf import OmegaConf
+
+from src.compose import CONFIGS
 from src.data.shards import expand_shards, is_local
 from src.tools.shard_inspect import inspect_shards
 
+DATA_DEFAULTS = os.path.join(CONFIGS, "data", "base.yaml")  # the one home of data.max_image_pixels's default
 SHOWN_PROBLEMS = 50
 # Above this many shards the table lists only the shards with problems.
 SHOWN_SHARDS = 50
@@ -58,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pattern", help="shard brace pattern, e.g. 'data/laion/{00000..00012}.tar' (quote it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="shards read in parallel")
+    parser.add_argument("--max-image-pixels", type=int, default=OmegaConf.load(DATA_DEFAULTS).max_image_pixels,
+                        help="report images with more pixels as oversized_image (default: data.max_image_pixels)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.max_image_pixels < 1:
+        parser.error("--max-image-pixels must be at least 1")
     try:
         shards = expand_shards(args.pattern, key="pattern")
     except FileNotFoundError as err:
@@ -68,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     remote = [s for s in shards if not is_local(s)]
     if remote:
         parser.error(f"only local shards can be inspected, not {remote[0]!r}")
-    report = inspect_shards(shards, workers=args.workers)
+    report = inspect_shards(shards, args.max_image_pixels, workers=args.workers)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

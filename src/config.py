@@ -219,6 +219,8 @@ class DataConfig:
     samples_per_epoch: int | None
     max_bad_fraction: float
     shard_retries: int
+    allow_pipe: bool
+    max_image_pixels: int
     eval_shards: str | None
     batch_size: int
     num_workers: int | None

@@ -2,17 +2,24 @@ import io
 import json
 import os
 import random
+import re
 import shutil
+import struct
 import tarfile
+import time
+import zlib
 from dataclasses import replace
 
 import pytest
 import torch
+from PIL import Image
 
 from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
+from src.data.image_text import OversizedImage
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
+from src.data.video_text import decode_clip
 from src.tools.synthetic_shapes import draw_sample, where
 from tests.conftest import compose_config
 
@@ -122,6 +129,72 @@ def test_corrupt_image_is_skipped(tmp_path, shapes):
     assert len(batch["keys"]) == 33 and batches.bad_counts() == {"corrupt_image": 1}
 
 
+def png_bomb(width: int, height: int) -> bytes:
+    """A real, valid 1-bit PNG of width x height black pixels: a few kB that PIL decodes to width x height bytes
+    (and our RGB conversion to three times that). Written row by row, so making it takes no such memory."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    packer, row = zlib.compressobj(9), b"\0" * (1 + (width + 7) // 8)  # filter byte, then packed bits
+    pixels = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def first_sample_edited(shapes, tmp_path, ext: str, content: bytes) -> str:
+    """A copy of the first training shard whose first sample's `.ext` member is `content`."""
+    url, first = expand_shards(shapes["shards"])[0], None
+
+    def edit(name: str, data: bytes) -> bytes:
+        nonlocal first
+        first = first or name.split(".")[0]
+        return content if name == f"{first}.{ext}" else data
+
+    rewrite_shard(url, tmp_path / "edited.tar", edit)
+    return str(tmp_path / "edited.tar")
+
+
+def test_a_decompression_bomb_is_skipped_from_its_header(tmp_path, shapes):
+    """A 12000 x 12000 PNG of a few kB (below PIL's own limit, 179 Mpx) would decode to 432 MB of RGB in a worker:
+    it is refused from its header, counted as oversized_image, and never decoded."""
+    bomb = png_bomb(12000, 12000)
+    assert len(bomb) < 100_000
+    with Image.open(io.BytesIO(bomb)) as img:  # live: PIL opens it without complaint
+        assert img.size == (12000, 12000)
+    cfg = data_config(first_sample_edited(shapes, tmp_path, "jpg", bomb), 20, 0, shuffle_buffer=1)
+    assert cfg.max_image_pixels == 2**26  # the default: 8192 x 8192
+    batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    start = time.process_time()
+    batch = next(batches)
+    assert len(batch["keys"]) == 20 and batches.bad_counts() == {"oversized_image": 1}
+    assert time.process_time() - start < 5  # decoding it alone takes seconds and 432 MB
+    frames = {"__key__": "clip", **{f"f{i:03d}.jpg": bomb for i in range(4)}}
+    with pytest.raises(OversizedImage, match="12000x12000 = 144000000 pixels, above data.max_image_pixels=67108864"):
+        decode_clip(frames, 4, 32, None, 1.0, cfg.max_image_pixels)
+
+
+def test_a_caption_that_is_not_utf8_is_a_bad_caption(tmp_path, shapes):
+    cfg = data_config(first_sample_edited(shapes, tmp_path, "txt", b"caf\xe9 \xff"), 20, 0, shuffle_buffer=1)
+    batches = TrainLoader(cfg, image_size=32, context_length=16, seed=0)
+    assert len(next(batches)["keys"]) == 20 and batches.bad_counts() == {"bad_caption": 1}
+
+
+def test_shards_cut_at_a_member_boundary_or_empty_are_counted(tmp_path, shapes):
+    """tarfile alone reads a tar cut just before a header, or garbled after its first member, as complete; the
+    reader counts both as truncated_shard. A complete tar without a sample is counted as empty_shard."""
+    url = expand_shards(shapes["shards"])[0]
+    with tarfile.open(url) as tar:
+        cut = tar.getmembers()[30].offset
+    data = open(url, "rb").read()
+    (tmp_path / "cut.tar").write_bytes(data[:cut])
+    (tmp_path / "garbled.tar").write_bytes(data[:cut] + os.urandom(len(data) - cut))
+    tarfile.open(tmp_path / "empty.tar", "w").close()
+    for name, reason in (("cut", "truncated_shard"), ("garbled", "truncated_shard"), ("empty", "empty_shard")):
+        bad = reader_module.BadData()
+        keys = [s["__key__"] for s in reader_module.read_shard(str(tmp_path / f"{name}.tar"), bad, retries=0)]
+        assert len(keys) < 30 and dict(bad.counts) == {reason: 1}, name
+
+
 @pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
 def test_small_jpegs_decode_as_pil_does_and_large_ones_at_a_reduced_scale(mode):
     """Under twice the crop size a JPEG goes to torchvision's decoder, which gives PIL's pixels exactly; from twice
@@ -140,7 +213,7 @@ def test_small_jpegs_decode_as_pil_does_and_large_ones_at_a_reduced_scale(mode):
         with Image.open(io.BytesIO(buffer.getvalue())) as img:
             img.draft("RGB", (size, size))
             want = TF.pil_to_tensor(img.convert("RGB"))
-        got = load_rgb(buffer.getvalue(), size)
+        got = load_rgb(buffer.getvalue(), size, None)
         assert got.shape == (3, *shape) and torch.equal(got, want), (mode, width)
 
 
@@ -262,8 +335,89 @@ def test_bad_fraction_limit_fails_naming_the_shard(tmp_path, shapes):
 
 def test_pipe_sources_are_read(shapes):
     url = expand_shards(shapes["shards"])[0]
-    batch = next(TrainLoader(data_config(f"pipe:cat {url}", 10, 0), image_size=32, context_length=16, seed=0))
+    cfg = data_config(f"pipe:cat {url}", 10, 0, allow_pipe=True)
+    batch = next(TrainLoader(cfg, image_size=32, context_length=16, seed=0))
     assert len(batch["keys"]) == 10
+
+
+@pytest.mark.parametrize("key", ["shards", "eval_shards", "sources"])
+def test_pipe_urls_need_allow_pipe(shapes, key):
+    """A pipe: URL runs a shell command: without data.allow_pipe=true neither the loader nor preflight starts one."""
+    from src.parallel.distributed import DistInfo
+    from src.trainer.preflight import preflight
+
+    command = f"pipe:cat {expand_shards(shapes['shards'])[0]}"
+    values = {"shards": shapes["shards"], key: command} if key != "sources" else {
+        "shards": None, "sources": [SourceConfig(shards=f"{shapes['shards']}::{command}", weight=1.0)]}
+    name = {"shards": "data.shards", "eval_shards": "data.eval_shards", "sources": r"data.sources\[0\].shards"}[key]
+    message = rf"{name} holds '{re.escape(command)}', a pipe: URL.*data.allow_pipe=false: set data.allow_pipe=true"
+    if key != "eval_shards":  # the loader reads no eval shards
+        with pytest.raises(ValueError, match=message):
+            TrainLoader(data_config(**{"batch_size": 10, "num_workers": 0, **values}), image_size=32, context_length=16,
+                        seed=0)
+    cfg = compose_config(["experiment=quickstart", "data.generate=false"])
+    cfg.data = data_config(**{"batch_size": 10, "num_workers": 0, **values})
+    with pytest.raises(ValueError, match=message):
+        preflight(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "/nonexistent-run-dir")
+    cfg.data.allow_pipe = True
+    preflight(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "/nonexistent-run-dir")
+
+
+def read_pipe(command: str, retries: int) -> tuple[list[str], dict[str, int], float]:
+    """Keys read from a real pipe: command, the bad counts, and the seconds it took."""
+    bad, start = reader_module.BadData(), time.monotonic()
+    keys = [s["__key__"] for s in reader_module.read_shard(f"pipe:{command}", bad, retries, retry_wait_s=0.2)]
+    return keys, dict(bad.counts), time.monotonic() - start
+
+
+def test_a_failing_pipe_command_is_retried_then_skipped(tmp_path, shapes):
+    """A command that fails before giving a sample is retried data.shard_retries times, then counted as
+    unreadable_shard; nothing raises (before, closing the pipe raised outside any handler)."""
+    attempts = tmp_path / "attempts"
+    keys, counts, seconds = read_pipe(f"echo x >> {attempts}; cat {tmp_path}/missing.tar", retries=2)
+    assert keys == [] and counts == {"unreadable_shard": 1}
+    assert attempts.read_text() == "x\nx\nx\n" and seconds >= 0.4  # three attempts, two waits
+    # A command that fails at first and then works (a network blip): its samples come once, nothing is counted.
+    url = expand_shards(shapes["shards"])[0]
+    flaky = f"if [ -e {tmp_path}/once ]; then cat {url}; else touch {tmp_path}/once; exit 1; fi"
+    keys, counts, _ = read_pipe(flaky, retries=1)
+    assert len(keys) == len(set(keys)) == 100 and counts == {}
+
+
+@pytest.mark.parametrize("tail", ["; exit 1", ""])
+def test_a_pipe_command_failing_midway_keeps_what_it_gave_and_is_not_reread(shapes, tail):
+    """`head -c` cuts the tar after a few samples; with or without a failing exit status, the shard counts as
+    truncated_shard, and is not read again from its start (its first samples would come twice)."""
+    url = expand_shards(shapes["shards"])[0]
+    keys, counts, _ = read_pipe(f"head -c {os.path.getsize(url) // 2} {url}{tail}", retries=2)
+    with tarfile.open(url) as tar:
+        first = sorted({m.name.split(".")[0] for m in tar.getmembers()})
+    assert 0 < len(keys) < 100 and keys == first[: len(keys)]  # once each, in order
+    assert counts == {"truncated_shard": 1}
+
+
+def test_a_pipe_command_that_succeeds_but_fails_in_the_end_is_counted(shapes):
+    url = expand_shards(shapes["shards"])[0]
+    keys, counts, _ = read_pipe(f"cat {url}; exit 3", retries=2)
+    assert len(keys) == 100 and counts == {"truncated_shard": 1}
+
+
+def test_a_pipe_command_is_stopped_with_its_children_when_reading_stops(tmp_path, shapes):
+    """The reader stops early (its quota, the end of training): the command and what it started are killed, not
+    left running."""
+    url = expand_shards(shapes["shards"])[0]
+    pid_file = tmp_path / "sleeper"
+    command = f"pipe:cat {url}; sleep 300 & echo $! > {pid_file}; wait"
+    samples = reader_module.read_shard(command, reader_module.BadData(), 0)
+    for _ in range(100):
+        next(samples)
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sleeper = int(pid_file.read_text())
+    samples.close()
+    assert not os.path.exists(f"/proc/{sleeper}") or open(f"/proc/{sleeper}/stat").read().split()[2] == "Z"
 
 
 def test_sizes_fall_back_to_img2dataset_stats(tmp_path, shapes):

@@ -20,6 +20,7 @@ from src.data.shards import expand_shards
 from src.tools.shard_inspect import inspect_shards
 from src.tools.shard_writer import InputError, encode_image, make_shards, read_captions
 from tests.conftest import compose_config
+from tests.test_data import png_bomb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD = {"corrupt.jpg": "failed_to_decode", "truncated.jpg": "failed_to_decode", "missing.jpg": "failed_to_read"}
@@ -277,7 +278,7 @@ def test_inspect_finds_truncated_shards_and_corrupt_images(cli_packed, tmp_path)
         for member, content in members:
             tar.addfile(member, io.BytesIO(content))
 
-    report = inspect_shards(expand_shards(pattern))
+    report = inspect_shards(expand_shards(pattern), max_image_pixels=2**26)
     kinds = {(os.path.basename(p["shard"]), p["kind"]) for p in report["problems"]}
     assert {("00001.tar", "unreadable_shard"), ("00003.tar", "unreadable_shard"), ("00001.tar", "count_mismatch"),
             ("00002.tar", "corrupt_image")} <= kinds
@@ -287,6 +288,49 @@ def test_inspect_finds_truncated_shards_and_corrupt_images(cli_packed, tmp_path)
     result = run_script("inspect_shards.py", pattern, "--workers", "1")
     assert result.returncode == 1
     assert "00001.tar: unreadable_shard" in result.stdout and f"00002.tar key {garbled}: corrupt_image" in result.stdout
+
+
+def test_inspect_flags_a_decompression_bomb_without_decoding_it(cli_packed, tmp_path):
+    """The 12000 x 12000 PNG training skips as oversized_image is reported as such, from its header: the script
+    stays fast and small. A lower --max-image-pixels flags ordinary images too."""
+    out = str(tmp_path / "bomb")
+    shutil.copytree(cli_packed[0], out)
+    shard = os.path.join(out, "00000.tar")
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    first, bomb = members[0][0], png_bomb(12000, 12000)
+    members[0], first.size = (first, bomb), len(bomb)
+    with tarfile.open(shard, "w") as tar:
+        for member, content in members:
+            tar.addfile(member, io.BytesIO(content))
+
+    result = run_script("inspect_shards.py", pattern_of(out), "--json", "--workers", "1")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["problem_counts"] == {"oversized_image": 1}
+    [problem] = report["problems"]
+    assert problem["key"] == first.name.split(".")[0] and "12000x12000 = 144000000 pixels" in problem["detail"]
+    assert "data.max_image_pixels=67108864" in problem["detail"]
+    small = run_script("inspect_shards.py", pattern_of(out), "--json", "--workers", "1", "--max-image-pixels", "100")
+    assert json.loads(small.stdout)["problem_counts"]["oversized_image"] == report["samples"]
+
+
+def test_inspect_counts_an_empty_tar_against_the_count_recorded_for_it(cli_packed, tmp_path):
+    """An empty tar (valid, or 0 bytes) whose sizes.json entry promises samples is a count mismatch, also when
+    sizes.json names only some of the inspected shards."""
+    out = str(tmp_path / "empty")
+    shutil.copytree(cli_packed[0], out)
+    sizes = json.load(open(os.path.join(out, "sizes.json")))
+    tarfile.open(os.path.join(out, "00000.tar"), "w").close()
+    open(os.path.join(out, "00001.tar"), "wb").close()
+    json.dump({name: sizes[name] for name in ("00000.tar", "00001.tar")}, open(os.path.join(out, "sizes.json"), "w"))
+    for name in sizes:  # so that sizes.json alone, naming 2 of the shards, gives the counts
+        os.remove(os.path.join(out, name.replace(".tar", "_stats.json")))
+    report = inspect_shards(expand_shards(pattern_of(cli_packed[0]).replace(cli_packed[0], out)), 2**26)
+    mismatches = {os.path.basename(p["shard"]): p["detail"] for p in report["problems"]
+                  if p["kind"] == "count_mismatch"}
+    assert mismatches == {name: f"0 samples, sizes.json says {sizes[name]}" for name in ("00000.tar", "00001.tar")}
+    assert not report["clean"]
 
 
 def test_inspect_pattern_matching_nothing_exits_2(tmp_path):

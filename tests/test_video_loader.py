@@ -59,7 +59,7 @@ def test_one_crop_and_flip_per_clip():
     torch.manual_seed(0)
     frame = jpeg(Image.fromarray(torch.randint(0, 255, (48, 64, 3), dtype=torch.uint8).numpy()))
     sample = {"__key__": "k", **{f"f{i:03d}.jpg": frame for i in range(8)}}
-    clips = [decode_clip(sample, 4, 32, random.Random(seed), scale_min=0.3) for seed in range(6)]
+    clips = [decode_clip(sample, 4, 32, random.Random(seed), 0.3, None) for seed in range(6)]
     for clip in clips:
         assert all(torch.equal(clip[0], clip[t]) for t in range(1, 4))
     assert len({c.sum().item() for c in clips}) > 1  # while the crops themselves differ between clips
@@ -97,5 +97,5 @@ def test_mp4_eval_frames_are_fixed_and_move(mp4_shard):
     with tarfile.open(mp4_shard) as tar:
         data = tar.extractfile("000000000.mp4").read()
     sample = {"__key__": "000000000", "mp4": data}
-    first, again = decode_clip(sample, 4, 32, None, 1.0), decode_clip(sample, 4, 32, None, 1.0)
+    first, again = decode_clip(sample, 4, 32, None, 1.0, None), decode_clip(sample, 4, 32, None, 1.0, None)
     assert torch.equal(first, again) and not torch.equal(first[0], first[-1])  # the shape moved between frames

@@ -40,9 +40,26 @@ def random_resized_crop_box(
     return (height - side) // 2, (width - side) // 2, side, side
 
 
-def load_rgb(data: bytes, size: int) -> torch.Tensor:
-    """Decode image bytes to a (3, H, W) uint8 tensor, for crops of `size` pixels."""
-    with Image.open(io.BytesIO(data)) as img:  # reads the header only
+class OversizedImage(ValueError):
+    """An image with more pixels than data.max_image_pixels: a small file can decode to gigabytes (a decompression
+    bomb), so it is refused from its header, before any decoding."""
+
+
+def check_pixels(width: int, height: int, max_pixels: int | None) -> None:
+    """OversizedImage above `max_pixels` (None: no limit of ours)."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise OversizedImage(f"{width}x{height} = {width * height} pixels, above data.max_image_pixels={max_pixels}")
+
+
+def load_rgb(data: bytes, size: int, max_pixels: int | None) -> torch.Tensor:
+    """Decode image bytes to a (3, H, W) uint8 tensor, for crops of `size` pixels; OversizedImage for an image of
+    more than `max_pixels` pixels."""
+    try:
+        img = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as err:  # PIL's own, higher limit: checked when it reads the header
+        raise OversizedImage(str(err)) from err
+    with img:
+        check_pixels(*img.size, max_pixels)
         if img.format == "JPEG" and min(img.size) < 2 * size:
             # draft() cannot shrink it; torchvision decodes straight into a tensor (1.19x faster at 256-384 px).
             return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
@@ -61,9 +78,11 @@ def crop(image: torch.Tensor, size: int, box: tuple[int, int, int, int] | None) 
     return TF.center_crop(image, [size, size])
 
 
-def decode_image(data: bytes, size: int, rng: random.Random | None, scale_min: float) -> torch.Tensor:
+def decode_image(
+    data: bytes, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None
+) -> torch.Tensor:
     """A (3, size, size) uint8 tensor: random resized crop in training (rng given), centre crop in evaluation."""
-    image = load_rgb(data, size)
+    image = load_rgb(data, size, max_pixels)
     height, width = image.shape[-2:]
     box = random_resized_crop_box(width, height, rng, (scale_min, 1.0)) if rng is not None else None
     return crop(image, size, box)

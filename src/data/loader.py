@@ -19,14 +19,12 @@ reason; past `data.max_bad_fraction` the run stops with a message naming the wor
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import math
 import os
 import random
-import signal
-import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -35,9 +33,10 @@ from open_clip.tokenizer import tokenize
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from src.config import DataConfig, DataMode
-from src.data.image_text import decode_image, image_bytes
+from src.data.image_text import OversizedImage, decode_image, image_bytes
+from src.data.processes import shield_worker, start_workers
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
-from src.data.shards import expand_shards, read_sizes, shards_for_reader
+from src.data.shards import check_pipe_allowed, expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import TooFewFrames, decode_clip
 
 log = logging.getLogger(__name__)
@@ -57,13 +56,15 @@ def default_num_workers() -> int:
 
 
 def decode_pixels(
-    sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, flip: bool = True
+    sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None,
+    flip: bool = True,
 ) -> torch.Tensor:
     """An image sample to (3, size, size), or, with `frames` > 0, a packed clip to (frames, 3, size, size),
-    randomly mirrored when `flip`; uint8. Raises KeyError when the sample has no image (or no frames)."""
+    randomly mirrored when `flip`; uint8. Raises KeyError when the sample has no image (or no frames), and
+    OversizedImage for an image (or frame) of more than `max_pixels` pixels."""
     if frames:
-        return decode_clip(sample, frames, size, rng, scale_min, flip)
-    return decode_image(image_bytes(sample), size, rng, scale_min)
+        return decode_clip(sample, frames, size, rng, scale_min, max_pixels, flip)
+    return decode_image(image_bytes(sample), size, rng, scale_min, max_pixels)
 
 
 def read_samples(urls: list[str]) -> Iterator[dict]:
@@ -79,6 +80,7 @@ def resolve_sources(cfg: DataConfig) -> tuple[list[list[str]], list[float]]:
         raise ValueError("set data.shards (one source) or data.sources (several, with weights), not both")
     if not cfg.shards and not cfg.sources:
         raise ValueError("no training data: set data.shards='/path/{00000..00099}.tar' or data.sources")
+    check_pipe_allowed(cfg)
     if cfg.shards:
         return [expand_shards(cfg.shards)], [1.0]
     sources = [expand_shards(s.shards, key=f"data.sources[{i}].shards") for i, s in enumerate(cfg.sources)]
@@ -91,36 +93,6 @@ def resolve_sources(cfg: DataConfig) -> tuple[list[list[str]], list[float]]:
             "use data.mode=resampled to mix sources by weight"
         )
     return sources, weights
-
-
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
-
-
-def shield_worker(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`. Schedulers signal every process of a job (SLURM; torchrun signals each rank's
-    process group), but only the training process may act on SIGTERM / SIGUSR1: it finishes its step and writes a
-    checkpoint, which needs the batch its workers are making. So a worker keeps those signals blocked, and leaves
-    only on a SIGTERM from its parent (the DataLoader shutting it down)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # already blocked when started by start_workers()
-    parent = os.getppid()
-
-    def obey_parent_only() -> None:
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
-            pass
-        os._exit(0)
-
-    threading.Thread(target=obey_parent_only, daemon=True).start()
-
-
-@contextlib.contextmanager
-def start_workers() -> Iterator[None]:
-    """Around iter(DataLoader(...)): the workers start with the stop signals blocked, so that none of them
-    reaches a worker before `shield_worker` runs; the training process gets its own once this ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def check_batch_size(batch_size: int, world_size: int) -> None:
@@ -166,16 +138,25 @@ class TrainStream(IterableDataset):
         if "txt" not in sample:
             bad.add("missing_caption", url)
             return None
+        try:
+            caption = sample["txt"].decode("utf-8")
+        except UnicodeDecodeError:
+            bad.add("bad_caption", url)
+            return None
         rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
         try:
             pixels = decode_pixels(sample, self.cfg.frames, self.image_size, rng, self.cfg.crop_scale_min,
-                                   self.cfg.hflip)
-            return pixels, sample["txt"].decode("utf-8")
+                                   self.cfg.max_image_pixels, self.cfg.hflip)
+            return pixels, caption
         except KeyError:
             bad.add("missing_image", url)
             return None
         except TooFewFrames:
             raise
+        except OversizedImage as err:
+            log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
+            bad.add("oversized_image", url)
+            return None
         except Exception as err:  # PIL raises many types for broken files; any of them means skip this one
             log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
             bad.add("corrupt_image", url)
@@ -251,7 +232,8 @@ class TrainLoader:
         # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
         loader = DataLoader(
             stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
-            persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None, worker_init_fn=shield_worker,
+            persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+            worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()),
             generator=torch.Generator().manual_seed(self.kwargs["seed"]),
         )
         with start_workers():
@@ -325,9 +307,10 @@ class TrainLoader:
 class EvalStream(IterableDataset):
     """One ordered pass over held-out shards: centre-cropped images (or clips), tokens and class labels."""
 
-    def __init__(self, shards: list[str], *, batch_size: int, image_size: int, context_length: int, frames: int = 0):
+    def __init__(self, shards: list[str], *, batch_size: int, image_size: int, context_length: int, frames: int = 0,
+                 max_image_pixels: int | None = None):
         self.shards, self.batch_size, self.frames = shards, batch_size, frames
-        self.image_size, self.context_length = image_size, context_length
+        self.image_size, self.context_length, self.max_image_pixels = image_size, context_length, max_image_pixels
 
     def _batch(self, images: list, captions: list, labels: list) -> dict:
         return {
@@ -340,7 +323,7 @@ class EvalStream(IterableDataset):
         shards = self.shards[info.id :: info.num_workers] if info is not None else self.shards
         images, captions, labels = [], [], []
         for sample in read_samples(shards):
-            images.append(decode_pixels(sample, self.frames, self.image_size, None, 1.0))
+            images.append(decode_pixels(sample, self.frames, self.image_size, None, 1.0, self.max_image_pixels))
             captions.append(sample["txt"].decode("utf-8"))
             labels.append(json.loads(sample["json"]).get("label", -1) if "json" in sample else -1)
             if len(images) == self.batch_size:
@@ -351,13 +334,15 @@ class EvalStream(IterableDataset):
 
 
 def eval_batches(
-    pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int, frames: int = 0
+    pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int, frames: int = 0,
+    max_image_pixels: int | None = None,
 ) -> Iterator[dict]:
-    """One ordered pass over held-out shards: images (or clips of `frames` middle frames), tokens, labels."""
+    """One ordered pass over held-out shards: images (or clips of `frames` middle frames), tokens, labels.
+    `max_image_pixels` (data.max_image_pixels) refuses larger images; None leaves only PIL's own limit."""
     shards = expand_shards(pattern, key="data.eval_shards")
     stream = EvalStream(shards, batch_size=batch_size, image_size=image_size, context_length=context_length,
-                        frames=frames)
+                        frames=frames, max_image_pixels=max_image_pixels)
     loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(shards)),
-                        worker_init_fn=shield_worker)
+                        worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()))
     with start_workers():
         return iter(loader)

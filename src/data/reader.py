@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import logging
 import random
+import re
+import tarfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from webdataset import gopen
-from webdataset.tariterators import group_by_keys, tar_file_expander
+from webdataset.tariterators import group_by_keys
+
+from src.data.processes import EXIT_GRACE_S, CommandStream
 
 log = logging.getLogger(__name__)
 
@@ -63,26 +67,92 @@ class BadData:
         self.shards[shard] += 1
 
 
-def read_shard(url: str, bad: BadData, retries: int, retry_wait_s: float = 1.0) -> Iterator[dict]:
-    """Samples of one tar (local path or `pipe:` command). A shard that cannot be opened is retried, then
-    skipped; one that breaks midway (truncated, garbage) ends early. Both are counted, never fatal here."""
-    for attempt in range(retries + 1):
+# Exit statuses of a `pipe:` command that say nothing about its data: killed by us after a grace period (None), or
+# cut off by SIGPIPE when the reader stopped reading.
+NOT_A_FAILURE = (0, None, 128 + 13)
+
+
+META_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, not part of any sample
+
+
+class CheckedTarInfo(tarfile.TarInfo):
+    """tarfile, reading a stream, stops without a word at a header that is cut short or garbled after the first
+    member, so a shard cut at a member boundary, or garbage after good members, would look complete. A header
+    that is not the end-of-archive block raises instead."""
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
         try:
-            stream = gopen(url)
-            break
-        except Exception as err:
-            if attempt == retries:
-                log.warning("skipping shard %s: cannot open it after %d attempts (%s)", url, retries + 1, err)
-                bad.add("unreadable_shard", url)
-                return
-            time.sleep(retry_wait_s)
+            return super().fromtarfile(tar)
+        except tarfile.EOFHeaderError:  # the end-of-archive block: a complete archive
+            raise
+        except tarfile.HeaderError as err:
+            raise tarfile.ReadError(f"{type(err).__name__} at byte {tar.offset}: {err}") from None
+
+
+def tar_members(stream, url: str) -> Iterator[dict]:
+    """The regular members of a tar stream as webdataset's `group_by_keys` takes them; raises where the stream is
+    cut short or corrupt. Members are bytes only: nothing is decoded or unpickled here."""
+    with tarfile.open(fileobj=stream, mode="r|*", tarinfo=CheckedTarInfo) as tar:
+        for member in tar:
+            if member.isreg() and not META_MEMBER.match(member.name):
+                yield {"fname": member.name, "data": tar.extractfile(member).read(), "__url__": url}
+            tar.members = []  # stream mode would otherwise keep every header in memory
+
+
+def open_stream(url: str):
+    """A readable stream of one shard: a local file, a `pipe:` command's output, or webdataset's opener for URLs."""
+    return CommandStream(url.removeprefix("pipe:")) if url.startswith("pipe:") else gopen(url)
+
+
+def end_stream(stream, drain: bool, grace_s: float) -> str | None:
+    """Close a shard's stream; why its source failed (a command's exit status), or None."""
+    if isinstance(stream, CommandStream):
+        status = stream.end(drain, grace_s)
+        return None if status in NOT_A_FAILURE else f"{stream} exited with status {status}"
     try:
-        yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+        stream.close()  # webdataset's command streams (curl for http://...) raise here for a failed command
     except Exception as err:
-        log.warning("shard %s ends early: %s", url, err)
-        bad.add("truncated_shard", url)
-    finally:
-        stream.close()
+        return str(err)
+    return None
+
+
+def read_shard(url: str, bad: BadData, retries: int, retry_wait_s: float = 1.0) -> Iterator[dict]:
+    """Samples of one tar (local path, `pipe:` command or URL), never fatal here. A shard that cannot be opened, or
+    whose command fails before it gave a sample, is retried, then skipped (`unreadable_shard`). One that breaks
+    after giving samples (truncated, garbage, a command failing midway) ends there (`truncated_shard`): reading it
+    again would deliver its first samples twice. A complete tar without a sample is `empty_shard`."""
+    for attempt in range(retries + 1):
+        read, broken, failure = 0, None, None
+        try:
+            stream = open_stream(url)
+        except Exception as err:
+            failure = str(err)
+        else:
+            try:
+                for sample in group_by_keys(tar_members(stream, url)):
+                    read += 1
+                    yield sample
+            except GeneratorExit:  # the reader stopped early (its quota, the end of training): stop the command now
+                end_stream(stream, drain=False, grace_s=0.0)
+                raise
+            except Exception as err:
+                broken = err
+            failure = end_stream(stream, drain=broken is None, grace_s=EXIT_GRACE_S)
+        if broken is None and failure is None:
+            if not read:  # a complete tar without a sample: counted, since sizes.json may promise samples there
+                log.warning("shard %s holds no sample", url)
+                bad.add("empty_shard", url)
+            return
+        if read or failure is None:
+            log.warning("shard %s ends early after %d samples: %s", url, read, failure or broken)
+            bad.add("truncated_shard", url)
+            return
+        if attempt == retries:
+            log.warning("skipping shard %s: cannot open it after %d attempts (%s)", url, retries + 1, failure)
+            bad.add("unreadable_shard", url)
+            return
+        time.sleep(retry_wait_s)
 
 
 class Reader:

@@ -8,6 +8,8 @@ import random
 
 from webdataset.shardlists import expand_urls
 
+from src.config import DataConfig
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image members a sample may have, in order of preference
 
 
@@ -28,6 +30,22 @@ def expand_shards(pattern: str, key: str = "data.shards") -> list[str]:
             "fix the pattern or the missing files"
         )
     return urls
+
+
+def check_pipe_allowed(data: DataConfig) -> None:
+    """A `pipe:` URL runs its text as a shell command, so a configuration shared between people would run one
+    person's commands as another: such URLs need an explicit data.allow_pipe=true."""
+    if data.allow_pipe:
+        return
+    patterns = {"data.shards": data.shards, "data.eval_shards": data.eval_shards,
+                **{f"data.sources[{i}].shards": source.shards for i, source in enumerate(data.sources)}}
+    for key, pattern in patterns.items():
+        command = next((url for url in (expand_urls(pattern) if pattern else []) if url.startswith("pipe:")), None)
+        if command is not None:
+            raise ValueError(
+                f"{key} holds {command!r}, a pipe: URL, which runs a shell command, but data.allow_pipe=false: set "
+                "data.allow_pipe=true if you trust every command of this configuration, or use local shards"
+            )
 
 
 def shards_for_reader(
@@ -54,9 +72,9 @@ def stats_count(shard: str) -> int | None:
         return json.load(f).get("successes")
 
 
-def read_sizes(shards: list[str]) -> dict[str, int] | None:
-    """Sample count of every local shard, from the `sizes.json` beside it ({shard file name: count}) or else
-    img2dataset's `_stats.json`; None when any shard's count is unknown."""
+def recorded_sizes(shards: list[str]) -> dict[str, int]:
+    """The sample count of each local shard that has one: from the `sizes.json` beside it ({shard file name:
+    count}) or else img2dataset's `_stats.json`."""
     sizes: dict[str, int] = {}
     for directory in sorted({os.path.dirname(s) for s in shards if is_local(s)}):
         path = os.path.join(directory, "sizes.json")
@@ -66,6 +84,10 @@ def read_sizes(shards: list[str]) -> dict[str, int] | None:
     for shard in shards:
         if shard not in sizes and is_local(shard) and (count := stats_count(shard)) is not None:
             sizes[shard] = count
-    if not all(s in sizes for s in shards):
-        return None
-    return {s: sizes[s] for s in shards}
+    return {s: sizes[s] for s in shards if s in sizes}
+
+
+def read_sizes(shards: list[str]) -> dict[str, int] | None:
+    """Sample count of every shard (`recorded_sizes`); None when any shard's count is unknown."""
+    sizes = recorded_sizes(shards)
+    return sizes if len(sizes) == len(set(shards)) else None

@@ -18,7 +18,7 @@ import re
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from src.data.image_text import crop, load_rgb, random_resized_crop_box
+from src.data.image_text import check_pixels, crop, load_rgb, random_resized_crop_box
 
 FRAME_MEMBER = re.compile(r"^f(\d{3})\.jpg$")
 VIDEO_MEMBERS = ("mp4", "webm", "mkv", "avi", "mov")
@@ -51,7 +51,7 @@ def segment_times(duration: float, frames: int, rng: random.Random | None) -> li
     return [(i + (rng.random() if rng is not None else 0.5)) * width for i in range(frames)]
 
 
-def video_frames(data: bytes, frames: int, rng: random.Random | None) -> torch.Tensor:
+def video_frames(data: bytes, frames: int, rng: random.Random | None, max_pixels: int | None) -> torch.Tensor:
     """(T, 3, H, W) uint8: the frame at or after each segment time. One seek to the keyframe before the first
     time, then decoding forward: targets only increase, and training clips are short."""
     import av  # the `video` extra: only mp4-in-shard clips need PyAV, packed frames and images do not
@@ -59,6 +59,7 @@ def video_frames(data: bytes, frames: int, rng: random.Random | None) -> torch.T
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1  # PyAV's default (all cores) has deadlocked next to DataLoader
+        check_pixels(stream.codec_context.width, stream.codec_context.height, max_pixels)  # from the header
         duration = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
         targets = segment_times(duration, frames, rng)
         container.seek(int(targets[0] / stream.time_base), stream=stream, backward=True)
@@ -75,14 +76,16 @@ def video_frames(data: bytes, frames: int, rng: random.Random | None) -> torch.T
 
 
 def decode_clip(
-    sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, flip: bool = True
+    sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None,
+    flip: bool = True,
 ) -> torch.Tensor:
+    """(frames, 3, size, size) uint8; OversizedImage when a frame has more than `max_pixels` pixels."""
     video = next((sample[ext] for ext in VIDEO_MEMBERS if ext in sample), None)
     if video is not None and not any(FRAME_MEMBER.match(name) for name in sample):
-        clip = video_frames(video, frames, rng)
+        clip = video_frames(video, frames, rng, max_pixels)
     else:
         stored = frame_members(sample)
-        clip = torch.stack([load_rgb(stored[i], size) for i in segment_indices(len(stored), frames, rng)])
+        clip = torch.stack([load_rgb(stored[i], size, max_pixels) for i in segment_indices(len(stored), frames, rng)])
     if rng is None:
         return crop(clip, size, None)
     height, width = clip.shape[-2:]

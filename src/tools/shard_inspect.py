@@ -1,10 +1,11 @@
 """Check webdataset shards: sample counts against sizes.json / _stats.json, member extensions, samples
-missing an image or caption, undecodable images, truncated tars, and caption-length statistics. Reads bytes
+missing an image or caption, undecodable or oversized images, truncated tars, and caption-length statistics. Reads bytes
 only: nothing in a shard is executed or unpickled.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -20,7 +21,8 @@ from PIL import Image
 from tqdm import tqdm
 from webdataset.tariterators import base_plus_ext
 
-from src.data.shards import IMAGE_EXTENSIONS, read_sizes
+from src.data.image_text import OversizedImage, check_pixels
+from src.data.shards import IMAGE_EXTENSIONS, recorded_sizes
 from src.tools.shard_writer import image_error
 
 
@@ -38,8 +40,9 @@ class ShardReport:
         self.problems.append({"shard": self.shard, "key": key, "kind": kind, "detail": detail})
 
 
-def check_sample(sample: dict, report: ShardReport) -> None:
-    """Verify one sample's image (full decode), caption and metadata; only parses bytes, never unpickles."""
+def check_sample(sample: dict, report: ShardReport, max_pixels: int) -> None:
+    """Verify one sample's image (full decode, unless its header says it has more than `max_pixels` pixels, which
+    training skips as oversized_image), caption and metadata; only parses bytes, never unpickles."""
     key = sample["__key__"]
     report.samples += 1
     extension = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
@@ -47,8 +50,11 @@ def check_sample(sample: dict, report: ShardReport) -> None:
         report.problem("missing_image", f"no image member (.{'/.'.join(IMAGE_EXTENSIONS)})", key)
     else:
         try:
-            with Image.open(io.BytesIO(sample[extension])) as img:
+            with Image.open(io.BytesIO(sample[extension])) as img:  # reads the header only
+                check_pixels(*img.size, max_pixels)
                 img.load()
+        except (OversizedImage, Image.DecompressionBombError) as err:
+            report.problem("oversized_image", f".{extension}: {err}", key)
         except Exception as err:  # PIL raises many types for bad data
             report.problem("corrupt_image", f".{extension}: {image_error(err)}", key)
     if "txt" not in sample:
@@ -95,7 +101,7 @@ def tar_members(path: str) -> Iterator[tuple[str, bytes]]:
         raise tarfile.ReadError(f"no end-of-archive marker after byte {end}: truncated, or a corrupt header")
 
 
-def inspect_shard(path: str) -> ShardReport:
+def inspect_shard(path: str, max_pixels: int) -> ShardReport:
     """Read every member of one shard, grouping members into samples the way webdataset does."""
     report = ShardReport(path)
     sample: dict | None = None
@@ -110,7 +116,7 @@ def inspect_shard(path: str) -> ShardReport:
             report.extensions[extension] += 1
             if sample is None or key != sample["__key__"]:
                 if sample is not None:
-                    check_sample(sample, report)
+                    check_sample(sample, report, max_pixels)
                 if key in seen:
                     report.problem("duplicate_key", "the key appears again after other samples", key)
                 seen.add(key)
@@ -124,13 +130,13 @@ def inspect_shard(path: str) -> ShardReport:
         report.problem("unreadable_shard", f"{type(err).__name__}: {err} (after {report.samples} samples)")
         return report
     if sample is not None:
-        check_sample(sample, report)
+        check_sample(sample, report, max_pixels)
     return report
 
 
-def expected_counts(shards: list[str]) -> tuple[dict[str, int] | None, dict[str, int | None], list[dict]]:
-    """Sample counts the writer recorded: sizes.json (when it covers every shard) and each `_stats.json`,
-    plus problems for such files that exist but cannot be read."""
+def expected_counts(shards: list[str]) -> tuple[dict[str, int], dict[str, int | None], list[dict]]:
+    """Sample counts the writer recorded: sizes.json (for each shard it names; else the `_stats.json` count) and
+    each `_stats.json`, plus problems for such files that exist but cannot be read."""
     problems = []
     stats: dict[str, int | None] = {shard: None for shard in shards}
     for shard in shards:
@@ -142,9 +148,9 @@ def expected_counts(shards: list[str]) -> tuple[dict[str, int] | None, dict[str,
             except (OSError, ValueError, KeyError, TypeError) as err:
                 problems.append({"shard": shard, "key": None, "kind": "bad_stats_json", "detail": f"{path}: {err!r}"})
     try:
-        sizes = read_sizes(shards)
+        sizes = recorded_sizes(shards)
     except (OSError, ValueError, AttributeError) as err:
-        sizes = None
+        sizes = {}
         problems.append({"shard": None, "key": None, "kind": "bad_sizes_json", "detail": repr(err)})
     return sizes, stats, problems
 
@@ -156,15 +162,18 @@ def describe(values: np.ndarray) -> dict | None:
             "p95": float(np.percentile(values, 95)), "max": int(values.max())}
 
 
-def inspect_shards(shards: list[str], workers: int = 1) -> dict:
+def inspect_shards(shards: list[str], max_image_pixels: int, workers: int = 1) -> dict:
     """Check local shards in parallel and return one JSON-ready report; `report["clean"]` is False when any
-    problem was found (corrupt or missing members, unreadable tars, counts that disagree with the writer's)."""
+    problem was found (corrupt, oversized or missing members, unreadable tars, counts that disagree with the
+    writer's). `max_image_pixels` is training's data.max_image_pixels."""
+    check = functools.partial(inspect_shard, max_pixels=max_image_pixels)
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(shards)))) as pool:
-        reports = list(tqdm(pool.map(inspect_shard, shards), total=len(shards), unit="shard", desc="inspecting"))
+        reports = list(tqdm(pool.map(check, shards), total=len(shards), unit="shard", desc="inspecting"))
     sizes, stats, problems = expected_counts(shards)
     per_shard, extensions = [], Counter()
     for report in reports:
-        expected = {"sizes.json": sizes[report.shard] if sizes else None, "_stats.json": stats[report.shard]}
+        # An empty or unreadable shard has 0 samples: against a recorded count, that is a count mismatch too.
+        expected = {"sizes.json": sizes.get(report.shard), "_stats.json": stats[report.shard]}
         for source, count in expected.items():
             if count is not None and count != report.samples:
                 report.problem("count_mismatch", f"{report.samples} samples, {source} says {count}")

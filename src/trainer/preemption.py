@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-from src.data.loader import STOP_SIGNALS
+from src.data.processes import STOP_SIGNALS
 from src.parallel.distributed import any_rank
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from src.config import ModelConfig, TrainConfig, unknown_key_message, unknown_keys
 from src.data.loader import check_batch_size, resolve_sources
-from src.data.shards import expand_shards, is_local
+from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
@@ -77,6 +77,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.generate_eval_samples", lambda v: v >= 0, "0 or more"),
     ("data.generate_seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     ("optim.lr", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("data.max_image_pixels", lambda v: v >= 1, "at least 1"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ("optim.eps", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("optim.weight_decay", lambda v: FINITE(v) and v >= 0, "a finite number, 0 or more"),
@@ -233,6 +234,7 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
     model, video = cfg.model, bool(cfg.data.frames)
     checks = [
         lambda: check_batch_size(cfg.data.batch_size, dist_info.world_size),
+        lambda: check_pipe_allowed(cfg.data),
         lambda: check_sp_size(cfg.trainer.sp_size, dist_info.world_size),
         lambda: check_data_parallel(cfg.trainer.data_parallel, video),
         lambda: check_heads(model, video),

@@ -69,6 +69,33 @@ def test_garbage_deleted_and_unreadable_shards_are_survived_then_a_restart_fails
 
 
 @pytest.mark.slow
+def test_failing_pipe_commands_are_retried_counted_and_skipped(own_shapes):
+    """`pipe:` sources whose command fails at once (its shard is gone) or midway (`head -c ...; exit 1`) no longer
+    kill the run: the first is retried data.shard_retries times and skipped as unreadable_shard, the second
+    keeps the samples it gave and counts as truncated_shard, each named in the log, every epoch."""
+    shapes, root = own_shapes
+    run_dir = os.path.join(root, "run")
+    os.remove(shard(root, 1))
+    midway = f"pipe:head -c {os.path.getsize(shard(root, 6)) // 2} {shard(root, 6)}; exit 1"
+    pipes = {**shapes, "shards": f"pipe:cat {root}/train/train-{{000000..000005}}.tar::{midway}::{shard(root, 7)}"}
+    args = run_args(pipes, run_dir, "data.allow_pipe=true", "data.shard_retries=1", "trainer.eval.every=0",
+                    "trainer.max_steps=30")
+    training = Training(args, os.path.join(root, "1.log"))
+    training.finish()
+    last = [m for m in read_metrics(run_dir) if "train/loss" in m][-1]
+    assert last["step"] == 29 and last["train/epoch"] >= 2
+    unreadable, truncated = last["data/bad/unreadable_shard"], last["data/bad/truncated_shard"]
+    assert unreadable >= 3 and truncated >= 3  # each shard once per epoch
+    output = training.output()
+    assert re.search(rf"skipping shard pipe:cat {shard(root, 1)}: cannot open it after 2 attempts \(pipe command "
+                     rf"'cat {shard(root, 1)}' exited with status 1\)", output)
+    given = re.search(rf"shard {re.escape(midway)} ends early after (\d+) samples: .*exited with status 1", output)
+    assert given and 0 < int(given[1]) < PER_SHARD
+    lost = unreadable * PER_SHARD + truncated * (PER_SHARD - int(given[1]))
+    LEDGER.append(("6 failing pipe: commands (at once, midway)", 2, 1, lost))
+
+
+@pytest.mark.slow
 def test_a_directory_made_unreadable_mid_run_stops_the_run_clearly(own_shapes):
     shapes, root = own_shapes
     run_dir = os.path.join(root, "run")

@@ -13,6 +13,7 @@ import torch
 from webdataset.autodecode import basichandlers
 
 from src.data.loader import TrainLoader
+from src.data.shards import expand_shards
 from src.tools.synthetic_shapes import make_synthetic_shapes
 from tests.conftest import compose_config
 from tests.reliability.harness import LEDGER, Training, run_args
@@ -70,3 +71,17 @@ def test_pickles_in_a_shard_are_never_unpickled(tmp_path):
     assert all(len(b["keys"]) == 4 for b in batches) and not loader.bad_counts()
     assert not marker.exists()
     LEDGER.append(("9 shard members holding pickles", 16, 1, 0))
+
+
+def test_a_pipe_url_runs_nothing_without_allow_pipe(shapes, tmp_path):
+    """A shared configuration whose shards are `pipe:` commands runs none of them unless data.allow_pipe=true:
+    the run stops in preflight, naming the key, before any loader worker starts."""
+    marker = tmp_path / "pwned"
+    run_dir = tmp_path / "run"
+    command = f"pipe:touch {marker}; cat {expand_shards(shapes['shards'])[0]}"
+    training = Training(run_args({**shapes, "shards": command}, run_dir), tmp_path / "log.txt")
+    assert training.wait() == 1
+    assert f"data.shards holds {command!r}, a pipe: URL, which runs a shell command" in training.output()
+    assert "set data.allow_pipe=true if you trust" in training.output()
+    assert not marker.exists() and not (run_dir / "checkpoints").exists()
+    LEDGER.append(("9 pipe: URL without data.allow_pipe", 1, 0, 0))
