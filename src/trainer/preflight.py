@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 class ConfigurationError(ValueError):
     """A run that cannot start as configured: the message names every bad key, its value and the fix."""
 
-# (key, holds for a valid value, the valid range in words): numeric keys whose range is plain from their meaning.
 FINITE = math.isfinite
 # (key, holds for a valid value, the valid range in words): every numeric key whose range is plain from its meaning.
 # tests/test_config.py checks that every numeric key of src/config.py has a row, or a check of its own below
