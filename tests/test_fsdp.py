@@ -176,7 +176,10 @@ def assert_same_metrics(got: dict[int, dict], want: dict[int, dict], steps, rel:
     for step in steps:
         assert got[step].keys() == want[step].keys(), step
         for key, value in want[step].items():
-            assert got[step][key] == pytest.approx(value, rel=rel, abs=1e-6), (step, key)
+            # The update RMS statistics include the key biases', whose gradients are rounding noise (see
+            # assert_same_tensors): their last digits follow the summation order, which differs by CPU.
+            tolerance = max(rel, 1e-4) if key.startswith("optim/rms") else rel
+            assert got[step][key] == pytest.approx(value, rel=tolerance, abs=1e-6), (step, key)
 
 
 def load(run_dir, step: int, stem: str) -> dict:
