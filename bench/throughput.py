@@ -10,7 +10,8 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
 It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`, the GPU
 sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on it, which a
 profile's timeline tells apart), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
-compilation does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory, and the
+compilation does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with
+preflight's estimate beside it, `estimate_gib`: src/trainer/memory.py), and the
 caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU). With
 `trainer.cuda_graph=true` only replays of the recorded step are timed (`--warmup` must reach past the capture), and
 `host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
@@ -51,6 +52,7 @@ from src.parallel.distributed import DistInfo  # noqa: E402
 from src.tools.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
 from src.trainer.loss import clip_loss  # noqa: E402
+from src.trainer.memory import estimate_memory  # noqa: E402
 from src.trainer.preflight import preflight  # noqa: E402
 from src.trainer.trainer import Trainer, image_text_parts  # noqa: E402
 
@@ -216,6 +218,8 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
         "host_ms": host_seconds * 1e3,
         "tflops": flops / seconds / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # What preflight expects (src/trainer/memory.py), beside the peak it is a lower bound of.
+        "estimate_gib": estimate_memory(cfg, 1).total / 2**30,
         # Times the caching allocator ran out, freed its cache and retried (warm-up and timed steps): each waits
         # for the GPU to finish.
         "alloc_retries": torch.cuda.memory_stats(device)["num_alloc_retries"] if device.type == "cuda" else None,

@@ -256,3 +256,18 @@ def test_the_memory_check_refuses_vit_b32_at_batch_4096_on_24_gb_and_passes_what
     # FSDP2 shards the weights, gradients and moments; the activations are per rank anyway.
     sharded = estimate_memory(compose_config(["model=vit_b32", "data.shards=x", "trainer.data_parallel=fsdp2"]), 8)
     assert sharded.optimizer_bytes == estimate.optimizer_bytes / 8 and sharded.samples == 512
+
+
+@pytest.mark.parametrize("model, batch, overrides, peak_gib", [
+    ("vit_b32", 1024, [], 33.27), ("vit_b32", 1024, ["model.checkpoint_policy=full"], 7.44),
+    ("vit_b32", 1024, ["precision=fp32"], 60.11), ("vit_b16", 512, ["model.checkpoint_policy=selective"], 27.61),
+    ("vit_l14", 256, [], 64.66), ("vit_l14", 256, ["model.checkpoint_policy=full"], 14.30),
+    ("vit_huge", 128, [], 65.61), ("vit_huge", 128, ["model.checkpoint_policy=full"], 19.43),
+])
+def test_the_memory_estimate_is_near_the_peaks_measured_on_a_gpu(model, batch, overrides, peak_gib):
+    """The peaks of docs/BENCHMARKS.md's "Memory estimate" table (H200, bench/throughput.py): the estimate stays
+    within 15% of each, so preflight's 1.5x margin refuses only runs that cannot fit."""
+    from src.trainer.memory import estimate_memory
+
+    cfg = compose_config([f"model={model}", f"data.batch_size={batch}", "data.shards=x", *overrides])
+    assert estimate_memory(cfg, 1).total / 2**30 == pytest.approx(peak_gib, rel=0.15)

@@ -12,9 +12,12 @@ The estimate (per rank, in bytes):
   (4 + mlp_ratio)·d·n for selective checkpointing (the matmuls' inputs and outputs); values are 2 bytes under
   bf16/fp16 autocast, 4 in fp32. The image tower sees each sample's frames (data.frames, split over trainer.sp_size
   ranks) with patch dropout's share of tokens dropped, the text tower its context length. The input images add
-  4 bytes per pixel and channel.
-It leaves out what does not grow with the model or the batch (the loader's workers, CUDA's context, the allocator's
-slack), so it is a lower bound of the real peak: a run is refused only when it exceeds the machine by REFUSE_ABOVE.
+  4 bytes per pixel and channel;
+- with checkpointing, the backward of a checkpointed block holds that block's activations, recomputed, and their
+  gradients at once: twice the uncheckpointed values of the tower's largest block, per sample.
+It leaves out what does not grow with the model or the batch (the loader's workers, CUDA's context). Against the
+peak measured on a GPU it came within 0.91-1.11x, over ViT-B/32 to ViT-H/14, each checkpointing policy, bf16 and
+fp32 (docs/BENCHMARKS.md, "Memory estimate"), so a run is refused only when it exceeds the machine by REFUSE_ABOVE.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     image_tokens = frames * (1 + patches * (1 - vision.patch_dropout))
     values = (tower_values(vision, image_tokens, policy, model.checkpoint_every)
               + tower_values(model.text, model.text.context_length, policy, model.checkpoint_every))
+    if policy != "none":
+        values += 2 * max(tower_values(tower, tokens, "none", 1) / tower.layers
+                          for tower, tokens in ((vision, image_tokens), (model.text, model.text.context_length)))
     value_bytes = 4 if cfg.precision.dtype == "fp32" else 2
     input_bytes = frames * 3 * vision.image_size**2 * 4
     return MemoryEstimate(
