@@ -34,3 +34,23 @@ def run_train(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subp
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+FAULT_LEDGER: list[list] = []  # (guarantee, faults injected, runs that went on to finish, samples lost) per row
+
+
+def pytest_runtest_logreport(report) -> None:
+    FAULT_LEDGER.extend(value for name, value in report.user_properties if name == "fault ledger")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The fault ledger of tests/reliability, the counts behind docs/reliability.md."""
+    if not FAULT_LEDGER:
+        return
+    terminalreporter.section("fault ledger (docs/reliability.md)")
+    terminalreporter.write_line(f"{'guarantee':<48} {'faults':>7} {'survived':>9} {'samples lost':>13}")
+    for row in sorted(FAULT_LEDGER):
+        terminalreporter.write_line(f"{row[0]:<48} {row[1]:>7} {row[2]:>9} {row[3]:>13}")
+    totals = [sum(row[i] for row in FAULT_LEDGER) for i in (1, 2, 3)]
+    terminalreporter.write_line(f"{'total':<48} {totals[0]:>7} {totals[1]:>9} {totals[2]:>13}")
+

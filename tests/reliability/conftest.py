@@ -11,12 +11,11 @@ def baseline(shapes, tmp_path_factory):
     return run_dir
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    if not LEDGER:
-        return
-    terminalreporter.section("fault ledger (docs/reliability.md)")
-    terminalreporter.write_line(f"{'guarantee':<42} {'faults':>7} {'survived':>9} {'samples lost':>13}")
-    for row in sorted(LEDGER):
-        terminalreporter.write_line(f"{row[0]:<42} {row[1]:>7} {row[2]:>9} {row[3]:>13}")
-    totals = [sum(row[i] for row in LEDGER) for i in (1, 2, 3)]
-    terminalreporter.write_line(f"{'total':<42} {totals[0]:>7} {totals[1]:>9} {totals[2]:>13}")
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each test's ledger rows travel with its report, so that the session's ledger (tests/conftest.py) adds them
+    up on the process that prints the summary, also when pytest-xdist ran the test in a worker."""
+    outcome = yield
+    if call.when == "call":
+        outcome.get_result().user_properties.extend(("fault ledger", list(row)) for row in LEDGER)
+        LEDGER.clear()
