@@ -1,4 +1,4 @@
-"""Pre-norm transformer blocks with zero-initialized layer-scale, and their activation checkpointing.
+"""Pre-norm transformer blocks with layer-scale (near-zero or zero at init), and their activation checkpointing.
 
 Parameter names follow OpenCLIP (`attn.in_proj_weight`, `mlp.c_fc`, `ls_1.gamma`, ...) so that
 OpenCLIP state dicts load into these modules unchanged. This is the architecture in plain PyTorch;
