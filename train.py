@@ -5,7 +5,7 @@ import sys
 
 import hydra
 
-from src.config import register_configs, unknown_override_keys
+from src.config import quote_brace_patterns, register_configs, unknown_override_keys
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 GROUPS = [name for name in os.listdir(CONFIGS) if os.path.isdir(os.path.join(CONFIGS, name))]
@@ -31,6 +31,7 @@ def refuse_unknown_keys(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quote_brace_patterns(sys.argv[1:])
     refuse_unknown_keys(sys.argv[1:])
     from src.trainer import hydra_overrides_for_rank
 

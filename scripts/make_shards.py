@@ -1,7 +1,9 @@
-"""Pack an image folder and a captions table into webdataset shards in img2dataset's layout.
+"""Pack an image folder and its captions into webdataset shards in img2dataset's layout.
 
+    python scripts/make_shards.py --images photos/ --out data/mine --max-size 512
     python scripts/make_shards.py --images photos/ --captions captions.csv --out data/mine --max-size 512
 
+Without --captions each image's caption is the text file beside it (`cat.jpg` and `cat.txt`, in any subfolder).
 The captions table (.csv, .tsv, .jsonl or .parquet; parquet needs `pip install pyarrow`) has a `path`
 column (relative to --images, or absolute) and a `caption` column; other columns go into each sample's .json.
 Writes OUT/{PREFIX}{00000..N}.tar with {key}.jpg|png|webp, {key}.txt and {key}.json per sample, a {shard}_stats.json
@@ -16,7 +18,7 @@ import argparse
 import os
 import sys
 
-from src.tools.shard_writer import MAX_SHARD_SIZE, InputError, make_shards, read_captions
+from src.tools.shard_writer import MAX_SHARD_SIZE, InputError, make_shards, read_caption_files, read_captions
 
 SHOWN_FAILURES = 20
 
@@ -24,7 +26,8 @@ SHOWN_FAILURES = 20
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", required=True, help="folder that relative paths in the table start from")
-    parser.add_argument("--captions", required=True, help="captions table: .csv, .tsv, .jsonl or .parquet")
+    parser.add_argument("--captions", help="captions table: .csv, .tsv, .jsonl or .parquet (default: x.txt beside "
+                                           "each image x.jpg)")
     parser.add_argument("--out", required=True, help="output folder for the shards")
     parser.add_argument("--shard-size", type=int, default=MAX_SHARD_SIZE, help="rows per shard (at most 10000)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="shards written in parallel")
@@ -42,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.quality <= 100:
         parser.error(f"--quality must be in 1..100, got {args.quality}")
     try:
-        rows = read_captions(args.captions, args.path_column, args.caption_column)
+        rows = (read_captions(args.captions, args.path_column, args.caption_column) if args.captions
+                else read_caption_files(args.images))
         summary = make_shards(rows, args.images, args.out, shard_size=args.shard_size, workers=args.workers,
                               max_size=args.max_size, quality=args.quality, prefix=args.prefix)
     except InputError as err:
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"... and {len(summary.failures) - SHOWN_FAILURES} more", file=sys.stderr)
     print(f"wrote {summary.samples} samples in {summary.shards} shards; {len(summary.failures)} failures "
           f"(listed in {os.path.join(args.out, 'failures.jsonl')})")
-    print(f"data.shards: {summary.pattern}")
+    # The quotes keep the shell from expanding the braces (train.py quotes them again for Hydra).
+    print(f"train with: python train.py data=laion_wds data.shards='{summary.pattern}' ...")
     return 0 if summary.samples else 1
 
 

@@ -1,4 +1,5 @@
-"""Plot one or more training runs: loss with spikes, patch-embedding RMS, learning rate, loss scale.
+"""Plot one or more training runs: loss with spikes, patch-embedding RMS, learning rate, loss scale, and the
+evaluations (zero-shot top-1 and retrieval R@1 of every evaluation set) when the run has them.
 
 Usage: python scripts/plot_run.py RUN_DIR [RUN_DIR ...] [-o OUT.png]
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,9 @@ from src.jsonl import JsonlError, iter_jsonl
 SPIKES_YAML = Path(__file__).resolve().parents[1] / "configs" / "spikes" / "default.yaml"
 DEFAULT_RMS_THRESHOLD = yaml.safe_load(SPIKES_YAML.read_text())["rms_threshold"]
 LOSS, RMS, LR, SCALE = "train/loss", "optim/rms/patch_embed", "train/lr", "scaler/scale"
+# Evaluation metrics of any set and of the EMA weights: eval/zeroshot_top1, eval/<set>/t2i_r1, eval_ema/...
+EVAL_PANELS = {"zero-shot top-1": re.compile(r"^eval[^/]*/(.+/)?zeroshot_top1$"),
+               "retrieval R@1": re.compile(r"^eval[^/]*/(.+/)?(i2t|t2i)_r1$")}
 
 
 class RunError(Exception):
@@ -126,13 +131,37 @@ def _spike_markers(ax, run: Run, kind: str, value_key: str, color: str) -> bool:
     return drawn
 
 
+def eval_keys(runs: list[Run]) -> dict[str, list[str]]:
+    """The evaluation metrics the runs logged, by panel; panels no run has are left out."""
+    logged = sorted({key for run in runs for row in run.metrics for key in row})
+    panels = {title: [key for key in logged if pattern.match(key)] for title, pattern in EVAL_PANELS.items()}
+    return {title: keys for title, keys in panels.items() if keys}
+
+
+def plot_eval(ax, runs: list[Run], colors: list[str], title: str, keys: list[str]) -> None:
+    """One line per run and metric, marked at each evaluation (they are sparse); line styles tell metrics apart."""
+    styles = ["-", "--", ":", "-."]
+    for run, color in zip(runs, colors, strict=True):
+        for index, key in enumerate(keys):
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, values, color=color, linestyle=styles[index % len(styles)], marker=".", linewidth=1)
+    ax.legend(handles=[Line2D([], [], color="black", linestyle=styles[i % len(styles)], label=key)
+                       for i, key in enumerate(keys)], loc="lower right", fontsize="small")
+    ax.set_ylabel(title)
+    ax.grid(alpha=0.3)
+
+
 def plot(runs: list[Run], out: Path) -> None:
-    fig = Figure(figsize=(11, 11), dpi=100, layout="constrained")
+    panels = eval_keys(runs)
+    fig = Figure(figsize=(11, 11 + 2.5 * len(panels)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 1, sharex=True)
+    axes = fig.subplots(4 + len(panels), 1, sharex=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
 
-    for ax, key in zip(axes, (LOSS, RMS, LR, SCALE), strict=True):
+    for ax, (title, keys) in zip(axes[4:], panels.items(), strict=True):
+        plot_eval(ax, runs, colors, title, keys)
+    for ax, key in zip(axes[:4], (LOSS, RMS, LR, SCALE), strict=True):
         drawn = False
         for run, color in zip(runs, colors, strict=True):
             steps, values = run.series(key, positive=key == SCALE)  # the scale panel is log-scaled

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -388,6 +389,25 @@ def unknown_override_keys(overrides: list[str], groups: Iterable[str]) -> list[s
     group_names = set(groups)
     return [unknown_key_message(o.key_or_group) for o in parsed
             if not o.is_hydra_override() and o.key_or_group not in group_names and not is_schema_key(o.key_or_group)]
+
+
+# A shell brace range or list ({00000..41407}, {a,b}): a shard pattern, never a Hydra dictionary ({key: value}).
+BRACE_PATTERN = re.compile(r"\{[^{}:]*(\.\.|,)[^{}:]*\}")
+
+
+def quote_brace_patterns(overrides: list[str]) -> list[str]:
+    """Overrides with a shard pattern quoted for Hydra. `data.shards='/data/{00000..41407}.tar'` reaches the
+    program without its quotes, which the shell removes, and Hydra's grammar reads the braces as a dictionary and
+    refuses them. A value holding a brace range or list is quoted here, unless it is quoted already, a list or
+    dictionary, or holds an interpolation."""
+    quoted = []
+    for override in overrides:
+        key, equals, value = override.partition("=")
+        if equals and value and value[0] not in "'\"[{" and "${" not in value and BRACE_PATTERN.search(value):
+            escaped = value.replace("'", "\\'")  # Hydra's quoted strings escape only quotes
+            override = f"{key}='{escaped}'"
+        quoted.append(override)
+    return quoted
 
 
 def unknown_keys(config: Any, prefix: str = "") -> list[str]:

@@ -56,6 +56,7 @@ def test_help_lists_groups():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     for group in GROUPS:
         assert f"\n{group}: " in out
+    assert "train.py -m " in out and "--cfg job" in out and "hydra.verbose=true" in out
 
 
 def test_dry_run_builds_vit_huge_on_meta_device():

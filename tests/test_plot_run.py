@@ -159,3 +159,24 @@ def test_malformed_line_names_file_and_line(tmp_path, capsys, filename):
     assert plot_run.main([str(run)]) == 2
     assert f"{path}:3:" in capsys.readouterr().err
     assert not (run / "plot.png").exists()
+
+
+def test_evaluations_get_a_zero_shot_and_a_retrieval_panel(tmp_path):
+    """Every evaluation set's top-1 and R@1 (and the EMA's) are found; each panel adds to the figure's height."""
+    run_dir = write_run(tmp_path / "run", "adamw")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        for step in (100, 200):
+            f.write(json.dumps({"step": step, "eval/imagenet/zeroshot_top1": step / 1000, "eval/i2t_r1": 0.3,
+                                "eval/t2i_r1": 0.2, "eval_ema/zeroshot_top1": 0.5, "eval/i2t_r5": 0.9}) + "\n")
+    runs = [plot_run.load_run(run_dir)]
+    assert plot_run.eval_keys(runs) == {
+        "zero-shot top-1": ["eval/imagenet/zeroshot_top1", "eval/zeroshot_top1", "eval_ema/zeroshot_top1"],
+        "retrieval R@1": ["eval/i2t_r1", "eval/t2i_r1"],
+    }
+    assert runs[0].series("eval/imagenet/zeroshot_top1") == ([100, 200], [0.1, 0.2])
+    plot_run.plot(runs, tmp_path / "with_eval.png")
+    no_eval = plot_run.Run("plain", [row for row in runs[0].metrics if not any(k.startswith("eval") for k in row)])
+    assert plot_run.eval_keys([no_eval]) == {}
+    plot_run.plot([no_eval], tmp_path / "without.png")
+    (_, with_height), (_, without_height) = check_png(tmp_path / "with_eval.png"), check_png(tmp_path / "without.png")
+    assert with_height - without_height == 500  # two panels of 2.5 inches at 100 dpi

@@ -181,7 +181,8 @@ def test_make_shards_cli_downscales_and_reports(images, cli_packed):
         assert path in result.stderr
     shards = -(-len(rows) // 3)
     assert f"wrote {len(packed)} samples in {shards} shards; 4 failures" in result.stdout
-    assert f"data.shards: {out}/{{00000..{shards - 1:05d}}}.tar" in result.stdout
+    pattern = f"{out}/{{00000..{shards - 1:05d}}}.tar"
+    assert f"train with: python train.py data=laion_wds data.shards='{pattern}'" in result.stdout
 
 
 def test_trainer_loader_reads_the_shards(cli_packed):

@@ -1,4 +1,5 @@
-"""Pack an image folder and a captions table into webdataset shards in img2dataset's layout.
+"""Pack an image folder and a captions table (or a caption file beside each image) into webdataset shards in
+img2dataset's layout.
 
 Layout: `OUT/00000.tar, 00001.tar, ...`, each sample `{key}.jpg|png|webp`, `{key}.txt` and `{key}.json`; per
 shard a `{shard}_stats.json`; for the folder `sizes.json` ({shard file name: samples}) and `failures.jsonl`.
@@ -118,6 +119,36 @@ def read_captions(file: str, path_column: str = "path", caption_column: str = "c
         raise InputError(f"{file}: cannot read captions: {err}") from err
     if not rows:
         raise InputError(f"{file}: no captions: the table has no rows")
+    return rows
+
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+
+
+def read_caption_files(images_dir: str) -> list[Row]:
+    """Rows of a folder of pairs, `x.jpg` beside `x.txt` (the caption, UTF-8), found in every subfolder, in sorted
+    order. An image without its .txt becomes a row with an empty caption, which the packer reports as
+    failed_no_caption; a folder without images raises InputError."""
+    rows = []
+    for folder, subfolders, files in os.walk(images_dir):
+        subfolders.sort()
+        for name in sorted(files):
+            stem, extension = os.path.splitext(name)
+            if extension.lower() not in IMAGE_EXTENSIONS:
+                continue
+            path = os.path.relpath(os.path.join(folder, name), images_dir)
+            caption_file = os.path.join(folder, stem + ".txt")
+            try:
+                with open(caption_file, encoding="utf-8") as f:
+                    caption = f.read().strip()
+            except FileNotFoundError:
+                caption = ""
+            except (OSError, UnicodeDecodeError) as err:
+                raise InputError(f"{caption_file}: cannot read the caption: {err}") from err
+            rows.append(Row(path, caption, {}, os.path.join(os.path.dirname(path), stem + ".txt")))
+    if not rows:
+        raise InputError(f"{images_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}) in it or its subfolders, and "
+                         "no --captions table was given")
     return rows
 
 

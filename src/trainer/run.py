@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shlex
 import sys
 from typing import NoReturn
 
@@ -12,10 +14,12 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from src.config import ModelConfig, TrainConfig
 from src.data.loader import default_num_workers
+from src.jsonl import iter_jsonl
 from src.models.clip import build_model, count_parameters
 from src.parallel.distributed import barrier, broadcast_object, destroy, env_rank, init_distributed
 from src.tools.synthetic_shapes import make_synthetic_shapes
 from src.tools.synthetic_videos import make_synthetic_video_shards
+from src.trainer.checkpoint import complete_checkpoints
 from src.trainer.preflight import ConfigurationError, preflight
 from src.trainer.run_directory import remove_new_run_directory
 from src.trainer.run_lock import lock_run_dir
@@ -83,9 +87,39 @@ def report_nothing_to_train(trainer: Trainer) -> None:
     log.warning("nothing to train: %s, and %s=%d. To train further, raise %s", where, key, end, key)
 
 
+def last_evaluation(run_dir: str) -> dict[str, float]:
+    """The newest evaluation's metrics in the run's metrics.jsonl (an evaluation logs them on a line of their own)."""
+    latest: dict[str, float] = {}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    for _, record in iter_jsonl(path) if os.path.isfile(path) else ():
+        evaluation = {k: v for k, v in record.items() if k.startswith("eval")}
+        if evaluation:
+            latest = evaluation
+    return latest
+
+
+def run_summary(run_dir: str, overrides: list[str]) -> str:
+    """What a finished (or stopped) run prints last: where it is, its final evaluation, and the next commands."""
+    checkpoints = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
+    kept = [o for o in overrides if not o.startswith(("trainer.run_dir=", "trainer.resume="))]
+    # key='value' is already a shell word (the shell drops the quotes, train.py puts them back for Hydra).
+    words = [o if re.fullmatch(r"[\w.+~]+='[^']*'", o) else shlex.quote(o) for o in kept]
+    resume = " ".join(["python train.py", *words, f"trainer.run_dir={shlex.quote(run_dir)}", "trainer.resume=latest"])
+    evaluation = last_evaluation(run_dir)
+    lines = [
+        f"run directory: {run_dir}",
+        "final evaluation: " + (", ".join(f"{k}={v:.4f}" for k, v in evaluation.items()) if evaluation else "none"),
+        f"newest checkpoint: {checkpoints[-1] if checkpoints else 'none'}",
+        f"resume it (raise trainer.max_steps to train further): {resume}",
+        f"plot it: python scripts/plot_run.py {shlex.quote(run_dir)}",
+    ]
+    return "\n".join(lines)
+
+
 def run(dict_cfg: DictConfig) -> None:
-    if dict_cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group
+    if dict_cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group, no run directory
         dry_run(OmegaConf.to_object(dict_cfg.model))
+        remove_new_run_directory(HydraConfig.get().runtime.output_dir)
         return
     try:
         cfg = resolve(dict_cfg)
@@ -112,5 +146,7 @@ def run(dict_cfg: DictConfig) -> None:
             if dist_info.is_main:
                 report_nothing_to_train(trainer)
             trainer.fit()
+            if dist_info.is_main:
+                print(run_summary(run_dir, HydraConfig.get().overrides.task), flush=True)
     finally:
         destroy()
