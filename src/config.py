@@ -305,8 +305,8 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str
     wandb: bool
+    tensorboard: bool
     project: str
     entity: str | None
     mode: WandbMode

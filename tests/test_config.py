@@ -24,8 +24,10 @@ def options(group: str) -> list[str]:
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes(group, option):
     cfg = compose_config([f"{group}={option}", "data.shards=x.tar"])
-    if group in ("model", "data", "optim", "precision", "logger"):
+    if group in ("model", "data", "optim", "precision"):
         assert getattr(cfg, group).name == option
+    if group == "logger":  # its options switch sinks on; several merge at once
+        assert (cfg.logger.wandb, cfg.logger.tensorboard) == (option == "wandb", option == "tensorboard")
 
 
 def test_model_presets_match_openclip_architectures():
@@ -272,3 +274,15 @@ def test_the_memory_estimate_is_near_the_peaks_measured_on_a_gpu(model, batch, o
 
     cfg = compose_config([f"model={model}", f"data.batch_size={batch}", "data.shards=x", *overrides])
     assert estimate_memory(cfg, 1).total / 2**30 == pytest.approx(peak_gib, rel=0.15)
+
+
+def test_a_logger_whose_package_is_missing_is_refused_with_the_install_command(monkeypatch):
+    import importlib.util
+
+    from src.trainer.preflight import check_loggers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name))
+    with pytest.raises(ValueError, match=r"logger.tensorboard=true but tensorboard is not installed: pip install"):
+        check_loggers(compose_config(["logger=[wandb,tensorboard]"]).logger)
+    check_loggers(compose_config(["logger=wandb"]).logger)

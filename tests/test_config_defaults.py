@@ -13,9 +13,10 @@ import yaml
 from src.config import TrainConfig
 from tests.conftest import CONFIGS
 
-# Group (the schema's key in TrainConfig) -> the file that states every key of it once.
+# Group (the schema's key in TrainConfig) -> the file that states every key of it once. The logger's options are
+# selected several at once (logger=[wandb,tensorboard]), so their common values sit in the root config's `logger:`.
 HOMES = {"model": "model/base.yaml", "data": "data/base.yaml", "optim": None, "precision": None,
-         "trainer": "trainer/default.yaml", "logger": None, "spikes": "spikes/default.yaml"}
+         "trainer": "trainer/default.yaml", "logger": "train.yaml", "spikes": "spikes/default.yaml"}
 KEY_LINE = re.compile(r"^(\s*)([A-Za-z_]\w*):(.*)$")
 
 
@@ -89,6 +90,8 @@ def test_every_schema_key_has_a_documented_yaml_line(group):
     files = [os.path.join(CONFIGS, HOMES[group])] if HOMES[group] else group_files(group)
     for path in files:
         documented = documented_keys(path)
+        if HOMES[group] == "train.yaml":
+            documented = {k.removeprefix(f"{group}."): v for k, v in documented.items() if k.startswith(f"{group}.")}
         missing = [k for k in schema_keys(cls) if k not in documented]
         undocumented = [k for k in schema_keys(cls) if documented.get(k) == ""]
         assert not missing, f"{path} has no line for {missing}"
@@ -120,3 +123,14 @@ def test_the_yaml_homes_hold_the_only_values_of_the_video_head():
     preset = compose_config(["experiment=video_finetune"]).model.video
     assert plain == preset
     assert (plain.text_queries, plain.vision_trainable_blocks, plain.image_text_weight) == ("eot", 0, 1.0)
+
+
+def test_logger_options_switch_on_only_their_own_sink():
+    """Options merge several at once (logger=[wandb,tensorboard]): each sets only keys of the root's `logger:`,
+    to values other than the root's, so that no option switches another one's sink back off."""
+    with open(os.path.join(CONFIGS, "train.yaml")) as fh:
+        root = yaml.safe_load(fh)["logger"]
+    for path in group_files("logger"):
+        with open(path) as fh:
+            option = yaml.safe_load(fh) or {}
+        assert all(key in root and root[key] != value for key, value in option.items()), path

@@ -91,12 +91,19 @@ def test_fp16_fixed_scaler_run_logs_stability_metrics_and_plots(shapes, tmp_path
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-def test_wandb_offline_run_and_spike_events(shapes, tmp_path):
+def test_wandb_offline_and_tensorboard_at_once_and_spike_events(shapes, tmp_path):
+    """logger=[wandb,tensorboard] runs both sinks; TensorBoard holds metrics.jsonl's values under its names."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     run_dir = tmp_path / "wb"
     # A negative factor flags every step once the window is full: a deterministic stand-in for a spike.
-    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=6", "trainer.eval.every=0", "logger=wandb",
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=6", "trainer.eval.every=0", "logger=[wandb,tensorboard]",
                        "spikes.ignore_first=0", "spikes.window=2", "spikes.loss_std_factor=-10"))
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert {"train/loss", "optim/rms/patch_embed", "spike/loss"} <= set(events.Tags()["scalars"])
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert losses == pytest.approx({step: m["train/loss"] for step, m in train_lines(run_dir).items()}, rel=1e-6)
     assert (run_dir / "wandb_run_id").read_text().strip()
     with open(run_dir / "spikes.jsonl") as f:
         events = [json.loads(line) for line in f]

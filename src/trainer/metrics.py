@@ -1,4 +1,5 @@
-"""One metrics logger with several sinks: JSONL (always), W&B (optional), a progress bar; rank 0 only."""
+"""One metrics logger with several sinks: JSONL (always), W&B and TensorBoard (optional), a progress bar; rank 0
+only. Every sink gets the same metric names as metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class MetricLogger:
         self.enabled = enabled
         self.run_dir = run_dir
         self.wandb_run = None
+        self.tensorboard = None
         self.bar = None
         if not enabled:
             return
@@ -59,6 +61,11 @@ class MetricLogger:
             self.files[name] = open(path, "a")
         if cfg.wandb:
             self.wandb_run = self._init_wandb(cfg, config)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: imported when asked for
+
+            # purge_step drops what an earlier attempt logged from the resumed step on, as metrics.jsonl is cut.
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step)
         if progress:
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
@@ -84,6 +91,10 @@ class MetricLogger:
         self.event("metrics.jsonl", {"step": step, **metrics})
         if self.wandb_run is not None:
             self.wandb_run.log({"train/step": step, **metrics})
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(name, value, step)
 
     def event(self, filename: str, record: dict) -> None:
         """Append one record to a JSONL file of the run directory."""
@@ -103,6 +114,8 @@ class MetricLogger:
             return
         for f in self.files.values():
             f.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in summary.items()}, refresh=True)
@@ -120,3 +133,5 @@ class MetricLogger:
             self.bar.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

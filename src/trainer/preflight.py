@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from src.config import ModelConfig, TrainConfig, unknown_key_message, unknown_keys
+from src.config import LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
 from src.data.loader import check_batch_size, resolve_sources
 from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
@@ -208,9 +208,12 @@ def check_init_from(spec: str) -> None:
         model_file(spec)
 
 
-def check_logger(wandb: bool) -> None:
-    if wandb and importlib.util.find_spec("wandb") is None:
+def check_loggers(cfg: LoggerConfig) -> None:
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("logger.wandb=true but wandb is not installed: pip install wandb, or logger=none")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("logger.tensorboard=true but tensorboard is not installed: pip install tensorboard "
+                         "(or pip install -e '.[tensorboard]'), or logger=none")
 
 
 def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
@@ -224,7 +227,7 @@ def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
         lambda: (data.generate or not data.eval_shards or data.frames or not cfg.trainer.eval.zeroshot
                  or check_classes(data.eval_shards)),
         lambda: not cfg.model.init_from or check_init_from(cfg.model.init_from),
-        lambda: check_logger(cfg.logger.wandb),
+        lambda: check_loggers(cfg.logger),
     ]
 
 
