@@ -20,6 +20,9 @@ from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from src.openclip_architectures import openclip_value
 
 
 class Choice(str, Enum):
@@ -327,6 +330,8 @@ class TrainConfig:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("openclip"):  # configs/model/openclip.yaml: sizes from open_clip's model JSONs
+        OmegaConf.register_new_resolver("openclip", openclip_value)
 
 
 @functools.cache

@@ -18,7 +18,7 @@ def load_openclip_state_dict(model: CLIP, state_dict: dict[str, torch.Tensor]) -
     }
     own = model.state_dict()
     for name in missing_gammas:
-        state_dict[name] = torch.ones_like(own[name], device="cpu")
+        state_dict[name] = torch.ones_like(own[name])
     state_dict.pop("attn_mask", None)
     if "logit_bias" in state_dict:
         raise ValueError("this checkpoint is a SigLIP model (it has logit_bias); stableclip trains CLIP only")

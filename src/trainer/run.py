@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from src.config import ModelConfig, TrainConfig
 from src.data.loader import default_num_workers
@@ -60,6 +61,11 @@ def resolve(dict_cfg: DictConfig) -> TrainConfig:
             f"config key {err.full_key} has no value: set it on the command line ({err.full_key}=...)"
             + (" or pick data=synthetic_shapes" if err.full_key == "data.shards" else "")
         ) from None
+    except InterpolationResolutionError as err:  # e.g. model=openclip with a model.name it cannot build
+        cause: BaseException = err
+        while isinstance(cause, InterpolationResolutionError) and cause.__context__ is not None:
+            cause = cause.__context__  # the resolver's own error, without OmegaConf's wrapping
+        raise ConfigurationError(str(cause)) from None
 
 
 def ensure_synthetic_data(cfg: TrainConfig, is_main: bool) -> None:
@@ -117,14 +123,14 @@ def run_summary(run_dir: str, overrides: list[str]) -> str:
 
 
 def run(dict_cfg: DictConfig) -> None:
-    if dict_cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group, no run directory
-        dry_run(OmegaConf.to_object(dict_cfg.model))
-        remove_new_run_directory(HydraConfig.get().runtime.output_dir)
-        return
     try:
         cfg = resolve(dict_cfg)
     except ConfigurationError as err:
         refuse(err, HydraConfig.get().runtime.output_dir)
+    if cfg.trainer.dry_run:  # needs nothing but the model: no data, no process group, no run directory
+        dry_run(cfg.model)
+        remove_new_run_directory(HydraConfig.get().runtime.output_dir)
+        return
     if cfg.data.num_workers is None:
         cfg.data.num_workers = default_num_workers()
     dist_info = init_distributed(cfg.trainer.device)
