@@ -30,7 +30,7 @@ ALLOWED = {
     "optim": {"config", "kernels", "parallel"},
     "data": {"config"},
     "tools": {"config", "data", "jsonl"},
-    "trainer": {"config", "data", "jsonl", "kernels", "models", "optim", "parallel", "tools"},
+    "trainer": {"config", "data", "jsonl", "kernels", "models", "openclip_architectures", "optim", "parallel", "tools"},
 }
 
 

@@ -35,8 +35,8 @@ def load_openclip_state_dict(model: CLIP, state_dict: dict[str, torch.Tensor]) -
 
 
 def load_openclip_checkpoint(model: CLIP, path: str | os.PathLike) -> None:
-    """Load an OpenCLIP checkpoint file (a bare state dict or {'state_dict': ...}) into `model`."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
-        checkpoint = checkpoint["state_dict"]
-    load_openclip_state_dict(model, checkpoint)
+    """Load an OpenCLIP checkpoint file into `model`: .safetensors, or a .bin/.pt state dict (bare or
+    {'state_dict': ...}) read with weights_only=True, by open_clip's own reader."""
+    from open_clip.factory import load_state_dict
+
+    load_openclip_state_dict(model, load_state_dict(str(path), weights_only=True))

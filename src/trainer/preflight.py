@@ -26,7 +26,13 @@ from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
 from src.trainer.memory import available_memory, check_memory, estimate_memory
-from src.trainer.pretrained import OPENCLIP, model_file
+from src.trainer.pretrained import (
+    OPENCLIP,
+    check_openclip_architecture,
+    model_file,
+    openclip_name,
+    openclip_weights_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +204,11 @@ def check_classes(pattern: str) -> None:
         raise ValueError(f"trainer.eval.zeroshot=true: {path} holds no classes: {fix}")
 
 
-def check_init_from(spec: str) -> None:
-    if spec.startswith(OPENCLIP):
+def check_init_from(spec: str, model: ModelConfig) -> None:
+    if spec.startswith(OPENCLIP) and (name := openclip_name(spec.removeprefix(OPENCLIP))):
+        check_openclip_architecture(model, *name)
+        openclip_weights_file(*name)  # from the cache, or downloaded now: the user asked for these weights by name
+    elif spec.startswith(OPENCLIP):
         path = spec.removeprefix(OPENCLIP)
         if why := readable(path):
             raise FileNotFoundError(f"model.init_from={spec!r}: {path!r} cannot be read ({why}): give the path of "
@@ -226,7 +235,7 @@ def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
         # Video evaluation has no zero-shot classification.
         lambda: (data.generate or not data.eval_shards or data.frames or not cfg.trainer.eval.zeroshot
                  or check_classes(data.eval_shards)),
-        lambda: not cfg.model.init_from or check_init_from(cfg.model.init_from),
+        lambda: not cfg.model.init_from or check_init_from(cfg.model.init_from, cfg.model),
         lambda: check_loggers(cfg.logger),
     ]
 
