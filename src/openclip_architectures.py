@@ -66,3 +66,31 @@ def architecture(name: str) -> dict[str, Any]:
 def openclip_value(name: str, key: str) -> Any:
     """The `${openclip:NAME,KEY}` resolver: one model key of an open_clip architecture."""
     return architecture(name)[key]
+
+
+def openclip_model_config(model: dict) -> dict:
+    """The open_clip model JSON of our model keys (`model` as config.yaml holds them): what
+    `open_clip.add_model_config` registers for an architecture open_clip does not ship."""
+    vision, text = model["vision"], model["text"]
+    config = {
+        "embed_dim": model["embed_dim"], "quick_gelu": bool(model["quick_gelu"]),
+        "vision_cfg": {"image_size": vision["image_size"], "layers": vision["layers"], "width": vision["width"],
+                       "patch_size": vision["patch_size"], "head_width": vision["width"] // vision["heads"],
+                       "mlp_ratio": vision["mlp_ratio"]},
+        "text_cfg": {key: text[key] for key in ("context_length", "vocab_size", "width", "heads", "layers",
+                                                 "mlp_ratio")},
+    }
+    if model.get("init_logit_bias") is not None:
+        config["init_logit_bias"] = model["init_logit_bias"]
+    return config
+
+
+def matching_architecture(model: dict) -> str | None:
+    """The open_clip architecture name whose config builds exactly our model, if open_clip ships one."""
+    if model.get("init_logit_bias") is not None:
+        return None  # open_clip's ViTs with a logit bias have timm towers, which we do not build
+    ours = {"embed_dim": model["embed_dim"], "quick_gelu": bool(model["quick_gelu"]),
+            **{f"{tower}.{key}": float(value) if key == "mlp_ratio" else value
+               for tower in ("vision", "text") for key, value in model[tower].items()
+               if f"{tower}.{key}" in architecture("ViT-B-32")}}
+    return next((name for name in buildable_architectures() if architecture(name) == ours), None)

@@ -40,6 +40,7 @@ def test_the_readme_form_trains_and_the_summary_it_prints_resumes(shapes, tmp_pa
     resume = next(line for line in out.splitlines() if line.startswith("resume it")).partition(": ")[2]
     assert f"data.shards='{shapes['shards']}'" in resume and resume.endswith("trainer.resume=latest")
     assert f"plot it: python scripts/plot_run.py {run_dir}" in out
+    assert f"export it to OpenCLIP: python scripts/export_openclip.py {run_dir}/checkpoints/step_00000002" in out
     words = shlex.split(resume)  # as bash splits the printed line
     assert words[:2] == ["python", "train.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

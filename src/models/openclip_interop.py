@@ -34,6 +34,23 @@ def load_openclip_state_dict(model: CLIP, state_dict: dict[str, torch.Tensor]) -
     model.load_state_dict(state_dict, strict=True)
 
 
+def to_openclip_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict as a plain OpenCLIP CLIP's (built without layer-scale): each branch's layer-scale γ is folded
+    into the output projection it scales (γ ⊙ (W x + b) = (diag(γ) W) x + γ ⊙ b), so the model computes the same
+    embeddings with no `ls_*.gamma` left. A video model's CLIP (`clip.` keys) is taken alone."""
+    if any(name.startswith("clip.") for name in state_dict):
+        state_dict = {name.removeprefix("clip."): v for name, v in state_dict.items() if name.startswith("clip.")}
+    plain = {name: value.float().clone() for name, value in state_dict.items() if not name.endswith(".gamma")}
+    for name, gamma in state_dict.items():
+        if not name.endswith((".ls_1.gamma", ".ls_2.gamma")):
+            continue
+        block = name.rsplit(".", 2)[0]
+        output = f"{block}.attn.out_proj" if name.endswith(".ls_1.gamma") else f"{block}.mlp.c_proj"
+        plain[f"{output}.weight"] *= gamma.float()[:, None]
+        plain[f"{output}.bias"] *= gamma.float()
+    return plain
+
+
 def load_openclip_checkpoint(model: CLIP, path: str | os.PathLike) -> None:
     """Load an OpenCLIP checkpoint file into `model`: .safetensors, or a .bin/.pt state dict (bare or
     {'state_dict': ...}) read with weights_only=True, by open_clip's own reader."""

@@ -119,6 +119,9 @@ def run_summary(run_dir: str, overrides: list[str]) -> str:
         f"resume it (raise trainer.max_steps to train further): {resume}",
         f"plot it: python scripts/plot_run.py {shlex.quote(run_dir)}",
     ]
+    if checkpoints:
+        lines.append(f"export it to OpenCLIP: python scripts/export_openclip.py {shlex.quote(checkpoints[-1])} "
+                     "-o model.safetensors")
     return "\n".join(lines)
 
 

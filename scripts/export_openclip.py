@@ -1,0 +1,78 @@
+"""Export a checkpoint's model as an OpenCLIP model file, for open_clip and the tools built on it (clip_benchmark).
+
+    python scripts/export_openclip.py RUN_DIR/checkpoints/step_N -o model.safetensors
+
+The checkpoint is verified against its manifest; the model's settings come from the run's config.yaml. Layer-scale
+is folded into the weights it scales, so the file holds a plain OpenCLIP CLIP (`open_clip.create_model_and_transforms
+(NAME, pretrained="model.safetensors")` loads it strictly and computes the same embeddings). The script prints NAME:
+the open_clip architecture of the model, or, for one open_clip does not ship, the name of a model config JSON it
+writes beside the file (register it with `open_clip.add_model_config(PATH)` first). A .bin or .pt output is a
+torch state dict instead of safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from src.models.openclip_interop import to_openclip_state_dict
+from src.openclip_architectures import matching_architecture, openclip_model_config
+from src.trainer.checkpoint import CheckpointError, load_torch_file
+from src.trainer.pretrained import model_file
+
+
+def run_config(weights: str) -> dict:
+    """The model settings of the run whose RUN_DIR/checkpoints/step_N/model.pt `weights` is."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(weights))))
+    path = os.path.join(run_dir, "config.yaml")
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)["model"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError) as err:
+        raise ValueError(f"{path}: cannot read the run's model settings ({err}); give a checkpoint inside its run "
+                         "directory (RUN_DIR/checkpoints/step_N)") from err
+
+
+def export(checkpoint: str, output: str) -> str:
+    """Write the checkpoint's model to `output` and return its open_clip architecture name."""
+    weights = model_file(checkpoint)  # verified against the checkpoint's manifest
+    model = run_config(weights)
+    state = to_openclip_state_dict(load_torch_file(weights))
+    name = matching_architecture(model)
+    if name is None:  # open_clip names a model config by its file's stem
+        name = os.path.splitext(os.path.basename(output))[0]
+        with open(os.path.join(os.path.dirname(os.path.abspath(output)), f"{name}.json"), "w") as f:
+            json.dump(openclip_model_config(model), f, indent=1)
+    if output.endswith(".safetensors"):
+        save_file({k: v.contiguous() for k, v in state.items()}, output)
+    else:
+        torch.save(state, output)
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (or a run directory: its newest checkpoint)")
+    parser.add_argument("-o", "--output", required=True, help="the model file: .safetensors (or .bin/.pt)")
+    args = parser.parse_args(argv)
+    try:
+        name = export(args.checkpoint, args.output)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: open_clip architecture {name}")
+    config = os.path.join(os.path.dirname(os.path.abspath(args.output)), f"{name}.json")
+    if os.path.isfile(config):
+        print(f"register it first: open_clip.add_model_config({config!r})")
+    print(f"load it: open_clip.create_model_and_transforms({name!r}, pretrained={args.output!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
