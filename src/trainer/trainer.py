@@ -50,8 +50,9 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PATCH_EMBED = "visual.conv1.weight"
 METRIC_NAMES = {
     "loss": "train/loss", "grad_norm": "train/grad_norm", "skipped_step": "train/skipped_step",
-    "logit_scale": "train/logit_scale", "logit_bias": "train/logit_bias", "skipped_tensors": "scaler/skipped_tensors", "scale": "scaler/scale",
+    "logit_scale": "train/logit_scale", "skipped_tensors": "scaler/skipped_tensors", "scale": "scaler/scale",
     "rms_patch_embed": "optim/rms/patch_embed", "rms_max": "optim/rms_max", "clipped_frac": "optim/clipped_frac",
+    "logit_bias": "train/logit_bias",  # models with a bias (loss=siglip) only
 }
 
 
