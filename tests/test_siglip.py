@@ -123,6 +123,78 @@ def test_ring_gradients_equal_the_single_process_and_all_gather_forms(world, tmp
             torch.testing.assert_close(results[form][key], value, rtol=1e-12, atol=1e-15, msg=f"{form}: {key}")
 
 
+def siglip_model_and_batch():
+    """A tiny float64 CLIP with a bias and a batch; the bias away from -10 so that its gradient is not tiny."""
+    from src.models import build_model
+    from tests.test_model import tiny_config
+
+    cfg = tiny_config(ls_init_value=0.5)
+    cfg.init_logit_bias, cfg.init_logit_scale = -2.0, math.log(10)
+    torch.manual_seed(0)
+    model = build_model(cfg).double()
+    images = torch.randn(BATCH, 3, 32, 32, dtype=torch.float64)
+    tokens = torch.randint(1, 1000, (BATCH, 16))
+    return model, images, tokens
+
+
+def model_grads(model, images, tokens) -> dict[str, torch.Tensor]:
+    siglip_loss(*model(images, tokens)).backward()
+    module = getattr(model, "module", model)
+    return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for name, p in module.named_parameters()}
+
+
+def data_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from src.parallel.parallelize import apply_fsdp
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    model, images, tokens = siglip_model_and_batch()
+    ddp = model_grads(DistributedDataParallel(model), images[rows], tokens[rows])
+    model, images, tokens = siglip_model_and_batch()
+    apply_fsdp(model, init_device_mesh("cpu", (world,)))
+    fsdp = model_grads(model, images[rows], tokens[rows])
+    if rank == 0:
+        torch.save({"ddp": ddp, "fsdp2": fsdp}, out)
+    dist.destroy_process_group()
+
+
+def test_ddp_and_fsdp2_gradients_are_those_of_the_single_process_loss_on_the_global_batch(tmp_path):
+    """The whole model on 2 ranks: each rank's loss divided by its own images, DDP's and FSDP2's averaging (the
+    scale and the bias by apply_fsdp's hook) give every parameter the single-process gradient."""
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(data_parallel_worker, args=(2, free_port(), out), nprocs=2, start_method="fork")
+    results = torch.load(out, weights_only=True)
+    want = model_grads(*siglip_model_and_batch())
+    assert want["logit_bias"].abs() > 1e-3 and want["logit_scale"].abs() > 1e-3
+    for form, got in results.items():
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-13, msg=f"{form}: {name}")
+
+
+def test_the_bias_is_initialised_counted_with_neither_tower_and_never_decayed():
+    from src.models import build_model, count_parameters
+    from src.optim import param_groups_for_weight_decay
+    from tests.test_model import tiny_config
+
+    cfg = tiny_config()
+    plain = count_parameters(build_model(cfg))
+    cfg.init_logit_bias = -10.0
+    model = build_model(cfg)
+    assert model.logit_bias.item() == -10.0 and "logit_bias" in model.state_dict()
+    counts = count_parameters(model)
+    assert counts["total"] == plain["total"] + 1 and counts["text"] == plain["text"]
+    decayed, not_decayed = param_groups_for_weight_decay(model, 0.2)
+    assert any(p is model.logit_bias for p in not_decayed["params"])
+    assert not any(p is model.logit_bias for p in decayed["params"])
+
+
 def tiny_openclip_siglip(tmp_path):
     """A small OpenCLIP CLIP of our architecture, with SigLIP's bias, from a model config registered here."""
     import open_clip
