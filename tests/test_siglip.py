@@ -293,3 +293,13 @@ def test_train_py_with_siglip_trains_checkpoints_the_bias_and_resumes_exactly(sh
                {k: v for k, v in b.items() if k != "train/samples_per_s"}
     again = torch.load(resumed / "checkpoints/step_00000008/model.pt", weights_only=True)
     assert all(torch.equal(again[k], v) for k, v in final.items())
+    # model.init_from of the run: into a model with a bias it loads; into one without, the error names loss=.
+    from src.models import build_model
+    from src.trainer.pretrained import load_pretrained
+    from tests.conftest import compose_config
+
+    model = build_model(compose_config(["experiment=quickstart", "loss=siglip"]).model)
+    load_pretrained(model, str(straight))
+    assert model.logit_bias.item() == final["logit_bias"].item()
+    with pytest.raises(ValueError, match="loss= for a logit_bias"):
+        load_pretrained(build_model(compose_config(["experiment=quickstart"]).model), str(straight))
