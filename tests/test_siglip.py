@@ -282,6 +282,7 @@ def test_train_py_with_siglip_trains_checkpoints_the_bias_and_resumes_exactly(sh
     assert final["logit_bias"].shape == () and final["logit_bias"] != first["logit_bias"] != -10.0
     assert want[-1]["train/logit_bias"] == final["logit_bias"].item()
     assert want[0]["train/logit_scale"] == pytest.approx(10.0, rel=0.05)
+    assert "spike/loss_spikes" in want[-1] and "optim/rms/patch_embed" in want[-1]  # the detector ran, and resumes
     # Resume from step 4 in a copy of the run, as after a crash before the step-8 checkpoint.
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints/step_00000008")
