@@ -15,7 +15,8 @@ preflight's estimate beside it, `estimate_gib`: src/trainer/memory.py), and the
 caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU). With
 `trainer.cuda_graph=true` only replays of the recorded step are timed (`--warmup` must reach past the capture), and
 `host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
-(`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our rate over its rate.
+(`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our rate over its rate;
+`--peer bench/peers/openclip_siglip_step.py` is OpenCLIP's step with its `SigLipLoss`, the peer of `loss=siglip`.
 `--profile ROWS [--trace DIR]` prints the costliest kernels of three steps and writes their timeline
 (`bench/kernel_table.py` sums it per kernel; `--gaps` finds where the GPU waited; `--profile-gpu-only` records no
 CPU ops, which slow the host). `--device cpu` makes it a smoke test.
@@ -51,7 +52,7 @@ from src.models.clip import build_model  # noqa: E402
 from src.parallel.distributed import DistInfo  # noqa: E402
 from src.tools.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
-from src.trainer.loss import clip_loss  # noqa: E402
+from src.trainer.loss import contrastive_loss  # noqa: E402
 from src.trainer.memory import estimate_memory  # noqa: E402
 from src.trainer.preflight import preflight  # noqa: E402
 from src.trainer.trainer import Trainer, image_text_parts  # noqa: E402
@@ -85,8 +86,9 @@ def step_flops(cfg) -> int:
     images = torch.empty(batch, 3, size, size, device="meta")
     tokens = torch.zeros(batch, cfg.model.text.context_length, dtype=torch.long, device="meta")
     with FlopCounterMode(display=False) as counter:
-        image_features, text_features, logit_scale = model(images, tokens)
-        clip_loss(image_features, text_features, logit_scale).backward()
+        image_features, text_features, logit_scale, *logit_bias = model(images, tokens)  # a bias with loss=siglip
+        contrastive_loss(cfg.loss)(image_features, text_features, logit_scale,
+                                   logit_bias[0] if logit_bias else None).backward()
     return counter.get_total_flops()
 
 

@@ -139,6 +139,11 @@ class DataParallel(Choice):
     fsdp2 = "fsdp2"
 
 
+class LossName(Choice):
+    clip = "clip"
+    siglip = "siglip"
+
+
 class WandbMode(Choice):
     online = "online"
     offline = "offline"
@@ -194,6 +199,7 @@ class ModelConfig:
     quick_gelu: bool
     init_logit_scale: float
     max_logit_scale: float
+    init_logit_bias: float | None
     grad_checkpointing: bool
     checkpoint_policy: CheckpointPolicy
     checkpoint_every: int
@@ -317,6 +323,11 @@ class LoggerConfig:
 
 
 @dataclass
+class LossConfig:
+    name: LossName
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig
     data: DataConfig
@@ -325,6 +336,7 @@ class TrainConfig:
     trainer: TrainerConfig
     logger: LoggerConfig
     spikes: SpikesConfig
+    loss: LossConfig
     experiment_name: str
 
 

@@ -16,7 +16,8 @@ from tests.conftest import CONFIGS
 # Group (the schema's key in TrainConfig) -> the file that states every key of it once. The logger's options are
 # selected several at once (logger=[wandb,tensorboard]), so their common values sit in the root config's `logger:`.
 HOMES = {"model": "model/base.yaml", "data": "data/base.yaml", "optim": None, "precision": None,
-         "trainer": "trainer/default.yaml", "logger": "train.yaml", "spikes": "spikes/default.yaml"}
+         "trainer": "trainer/default.yaml", "logger": "train.yaml", "spikes": "spikes/default.yaml",
+         "loss": "loss/clip.yaml"}
 KEY_LINE = re.compile(r"^(\s*)([A-Za-z_]\w*):(.*)$")
 
 

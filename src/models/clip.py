@@ -1,4 +1,5 @@
-"""CLIP: a ViT image tower, a causal transformer text tower and a learnable temperature.
+"""CLIP: a ViT image tower, a causal transformer text tower, a learnable temperature and, for SigLIP's sigmoid loss,
+an optional learnable bias of the logits.
 
 The text tower's modules sit at the top level (`token_embedding`, `transformer`, `ln_final`, ...) as in
 OpenCLIP's `CLIP`, so both models share one state-dict layout.
@@ -20,6 +21,7 @@ class CLIP(nn.Module):
         super().__init__()
         vision, text = cfg.vision, cfg.text
         self.init_logit_scale = cfg.init_logit_scale
+        self.init_logit_bias = cfg.init_logit_bias
         self.max_logit_scale = cfg.max_logit_scale
         self.visual = VisionTransformer(
             vision.image_size, vision.patch_size, vision.width, vision.layers, vision.heads,
@@ -34,6 +36,8 @@ class CLIP(nn.Module):
         self.ln_final = nn.LayerNorm(text.width)
         self.text_projection = nn.Parameter(torch.empty(text.width, cfg.embed_dim))
         self.logit_scale = nn.Parameter(torch.empty(()))
+        # OpenCLIP's name and state-dict key; a model without one has no such parameter, as in OpenCLIP.
+        self.logit_bias = nn.Parameter(torch.empty(())) if cfg.init_logit_bias is not None else None
         for tower in (self.visual.transformer, self.transformer):
             tower.prune_last_block = cfg.prune_last_block
 
@@ -46,6 +50,8 @@ class CLIP(nn.Module):
         self.ln_final.reset_parameters()
         nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
         nn.init.constant_(self.logit_scale, self.init_logit_scale)
+        if self.logit_bias is not None:
+            nn.init.constant_(self.logit_bias, self.init_logit_bias)
 
     def set_checkpointing(self, policy: str, every: int = 1) -> None:
         """Activation checkpointing of both towers' blocks in training (Transformer.set_checkpointing)."""
@@ -78,8 +84,11 @@ class CLIP(nn.Module):
         features = pooled @ self.text_projection
         return F.normalize(features, dim=-1) if normalize else features
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor):
-        return self.encode_image(images), self.encode_text(tokens), self.logit_scale.exp()
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(image features, text features, logit scale), and the logit bias after them when the model has one, as
+        OpenCLIP's CLIP returns them."""
+        outputs = self.encode_image(images), self.encode_text(tokens), self.logit_scale.exp()
+        return outputs if self.logit_bias is None else (*outputs, self.logit_bias)
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
@@ -111,4 +120,5 @@ def count_parameters(model: CLIP) -> dict[str, int]:
     """Parameter counts per tower; works on meta-device models."""
     visual = sum(p.numel() for p in model.visual.parameters())
     total = sum(p.numel() for p in model.parameters())
-    return {"visual": visual, "text": total - visual - model.logit_scale.numel(), "total": total}
+    logits = sum(p.numel() for p in (model.logit_scale, model.logit_bias) if p is not None)
+    return {"visual": visual, "text": total - visual - logits, "total": total}

@@ -11,7 +11,9 @@ from src.models.clip import CLIP
 
 def load_openclip_state_dict(model: CLIP, state_dict: dict[str, torch.Tensor]) -> None:
     """Load an OpenCLIP `CLIP.state_dict()` strictly. Layer-scale gammas absent from an OpenCLIP model
-    built without layer-scale are set to 1, which makes our blocks compute exactly what theirs do."""
+    built without layer-scale are set to 1, which makes our blocks compute exactly what theirs do. A SigLIP
+    checkpoint's `logit_bias` loads into a model that has one (model.init_logit_bias set, as loss=siglip does);
+    a checkpoint without one leaves a model's bias at its initial value."""
     state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
     missing_gammas = {
         name for name, _ in model.named_parameters() if name.endswith(".gamma") and name not in state_dict
@@ -20,8 +22,12 @@ def load_openclip_state_dict(model: CLIP, state_dict: dict[str, torch.Tensor]) -
     for name in missing_gammas:
         state_dict[name] = torch.ones_like(own[name])
     state_dict.pop("attn_mask", None)
-    if "logit_bias" in state_dict:
-        raise ValueError("this checkpoint is a SigLIP model (it has logit_bias); stableclip trains CLIP only")
+    if "logit_bias" in state_dict and model.logit_bias is None:
+        raise ValueError("this checkpoint is a SigLIP model (it has logit_bias) and the model has no bias: train it "
+                         "with loss=siglip (which sets model.init_logit_bias), or set model.init_logit_bias")
+    if "logit_bias" not in state_dict and model.logit_bias is not None:
+        # A CLIP checkpoint fine-tuned with the sigmoid loss: its bias starts at model.init_logit_bias.
+        state_dict["logit_bias"] = torch.full((), model.init_logit_bias, dtype=own["logit_bias"].dtype)
     mismatched = [
         f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
         for k, v in state_dict.items() if k in own and v.shape != own[k].shape

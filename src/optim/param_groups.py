@@ -9,7 +9,7 @@ NO_DECAY_NAMES = ("token_embedding", "positional_embedding", "class_embedding", 
 
 
 def decays(name: str, param: nn.Parameter) -> bool:
-    """Biases, norm weights, layer-scale gammas and the logit scale are 0/1-D; embeddings are named."""
+    """Biases, norm weights, layer-scale gammas, the logit scale and bias are 0/1-D; embeddings are named."""
     return param.ndim >= 2 and not any(part in name for part in NO_DECAY_NAMES)
 
 

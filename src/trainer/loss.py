@@ -1,12 +1,21 @@
-"""The symmetric InfoNCE loss of CLIP over the global batch."""
+"""The symmetric InfoNCE loss of CLIP over the global batch, and `contrastive_loss`: the loss `loss.name` picks
+(this one, or SigLIP's sigmoid loss in src/trainer/siglip_loss.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from src.config import LossConfig
 from src.parallel.distributed import all_gather_with_grad
+from src.trainer.siglip_loss import siglip_loss
+
+# (image features, text features, logit scale, logit bias or None) -> this rank's loss. The mean over the ranks
+# is the single-process loss of the global batch, and DDP's averaged gradients are its gradients.
+ContrastiveLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def _local_labels(rows: int, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
@@ -45,3 +54,16 @@ def pair_loss(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     labels = _local_labels(logits.shape[0], group, logits.device)
     per_text = all_gather_with_grad(logits, group)[:, labels].T
     return (F.cross_entropy(logits, labels) + F.cross_entropy(per_text, labels)) / 2
+
+
+def _clip_loss_without_bias(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                            logit_bias: torch.Tensor | None) -> torch.Tensor:
+    if logit_bias is not None:  # preflight refuses the combination; a model built by hand may still have one
+        raise ValueError("loss=clip's softmax ignores a bias added to every logit, so the model's logit_bias would "
+                         "get no gradient: build the model with model.init_logit_bias=null, or use loss=siglip")
+    return clip_loss(image_features, text_features, logit_scale)
+
+
+def contrastive_loss(cfg: LossConfig) -> ContrastiveLoss:
+    """The loss `loss.name` names, called as loss(image_features, text_features, logit_scale, logit_bias)."""
+    return {"clip": _clip_loss_without_bias, "siglip": siglip_loss}[cfg.name]

@@ -62,6 +62,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.ls_init_value", lambda v: v is None or (FINITE(v) and v >= 0), "a finite number, 0 or more (or null)"),
     ("model.init_logit_scale", FINITE, "a finite number"),
     ("model.max_logit_scale", FINITE, "a finite number"),
+    ("model.init_logit_bias", lambda v: v is None or FINITE(v), "a finite number (or null: no bias)"),
     ("model.checkpoint_every", lambda v: v >= 1, "at least 1"),
     ("model.video.head_layers", lambda v: v >= 0, "0 or more"),
     ("model.video.head_heads", lambda v: v >= 1, "at least 1"),
@@ -119,6 +120,12 @@ RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
      "model.init_logit_scale must not exceed model.max_logit_scale (the scale is clamped there after every step)"),
     (("spikes.attribution_min", "spikes.attribution_max"), lambda low, high: low <= high,
      "spikes.attribution_min must not exceed spikes.attribution_max"),
+    # A bias added to every logit cancels in a softmax: it would get no gradient, which DDP refuses.
+    (("loss.name", "model.init_logit_bias"), lambda loss, bias: loss != "clip" or bias is None,
+     "loss=clip's softmax ignores a bias added to every logit: set model.init_logit_bias=null, or use loss=siglip"),
+    (("loss.name", "data.frames"), lambda loss, frames: loss == "clip" or frames == 0,
+     "video fine-tuning (data.frames > 0) trains with its own softmax losses (src/trainer/video_trainer.py): "
+     "use loss=clip"),
 )
 
 

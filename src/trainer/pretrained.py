@@ -157,5 +157,5 @@ def load_pretrained(model: nn.Module, spec: str) -> str:
         target.load_state_dict(state)
     except RuntimeError as err:
         raise ValueError(f"model.init_from={spec!r} does not fit this model: use the model= preset (and "
-                         f"model.video settings) it was trained with.\n{err}") from None
+                         f"model.video settings, and loss= for a logit_bias) it was trained with.\n{err}") from None
     return path

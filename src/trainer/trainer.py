@@ -35,7 +35,7 @@ from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.evaluate import evaluate
-from src.trainer.loss import clip_loss
+from src.trainer.loss import contrastive_loss
 from src.trainer.metrics import MetricLogger
 from src.trainer.optim_resume import ResumedOptimizer, ResumedSchedule, resume_summary
 from src.trainer.preemption import Preemption
@@ -52,6 +52,7 @@ METRIC_NAMES = {
     "loss": "train/loss", "grad_norm": "train/grad_norm", "skipped_step": "train/skipped_step",
     "logit_scale": "train/logit_scale", "skipped_tensors": "scaler/skipped_tensors", "scale": "scaler/scale",
     "rms_patch_embed": "optim/rms/patch_embed", "rms_max": "optim/rms_max", "clipped_frac": "optim/clipped_frac",
+    "logit_bias": "train/logit_bias",  # models with a bias (loss=siglip) only
 }
 
 
@@ -129,14 +130,17 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
             pin_memory=device.type == "cuda",
         )
     normalize = image_normalizer(cfg, device)
+    contrastive = contrastive_loss(cfg.loss)
     # Under FSDP2 every forward needs every rank's shards, so all ranks evaluate the same data and rank 0 logs.
     sharded = shards_model(cfg, dist_info)
 
     def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         images = normalize(batch["images"].to(device, non_blocking=True))
         tokens = batch["tokens"].to(device, non_blocking=True)
-        image_features, text_features, logit_scale = forward_model(images, tokens)
-        return clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+        # (image features, text features, logit scale) and, when the model has one (loss=siglip), the logit bias.
+        image_features, text_features, logit_scale, *logit_bias = forward_model(images, tokens)
+        return contrastive(image_features.float(), text_features.float(), logit_scale.float(),
+                           logit_bias[0].float() if logit_bias else None)
 
     def evaluate_images(model: nn.Module, autocast: Callable) -> dict[str, float] | None:
         """On rank 0 only (or every rank under FSDP2), on the unwrapped model."""
@@ -247,6 +251,8 @@ class Trainer:
         num_grads = len(self.gradients())
         values = {"loss": outputs["loss"], "grad_norm": outputs["grad_norm"], "skipped_step": found_inf,
                   "logit_scale": self.model.logit_scale.detach().exp()}
+        if getattr(self.model, "logit_bias", None) is not None:
+            values["logit_bias"] = self.model.logit_bias.detach().clone()
         values.update(self.rms_metrics(num_grads, found_inf))
         if self.scaler.skips_tensors:  # every tensor skipping its own update applies nothing either
             values["skipped_step"] = (values["skipped_tensors"] >= num_grads).float()
