@@ -39,7 +39,7 @@ class MemoryEstimate:
     weights_bytes: float  # weights and gradients, this rank's share
     optimizer_bytes: float  # the optimizer's moments, this rank's share
     activation_bytes_per_sample: float
-    samples: int  # this rank's share of the global batch
+    samples: int  # this rank's share of the global batch (of one micro-batch with trainer.accum_steps)
 
     @property
     def total(self) -> float:
@@ -83,11 +83,14 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
               + tower_values(model.text, model.text.context_length, policy, model.checkpoint_every))
     value_bytes = 4 if cfg.precision.dtype == "fp32" else 2
     input_bytes = frames * 3 * vision.image_size**2 * 4
+    # Accumulation keeps one micro-batch's activations at a time (src/trainer/grad_cache.py).
+    samples = cfg.data.batch_size // world_size // cfg.trainer.accum_steps
+    samples *= cfg.trainer.sp_size if cfg.data.frames else 1
     return MemoryEstimate(
         parameters=parameters, weights_bytes=8 * parameters / shards,
         optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * parameters / shards,
         activation_bytes_per_sample=values * value_bytes + input_bytes,
-        samples=cfg.data.batch_size // world_size * (cfg.trainer.sp_size if cfg.data.frames else 1),
+        samples=samples,
     )
 
 
@@ -127,6 +130,7 @@ def check_memory(estimate: MemoryEstimate, available: float, where: str) -> None
     raise ValueError(
         f"the run needs about {estimate.total / GB:.1f} GB per rank ({estimate.describe()}), more than "
         f"{REFUSE_ABOVE}x the {available / GB:.1f} GB of {where}: it would be killed for lack of memory. Use "
-        f"{batch_hint}, model.checkpoint_policy=full (recompute blocks in the backward), more ranks, or "
+        f"{batch_hint}, model.checkpoint_policy=full (recompute blocks in the backward), a larger "
+        "trainer.accum_steps (micro-batches, the same gradient), more ranks, or "
         "trainer.data_parallel=fsdp2 to shard the weights and optimizer state"
     )
