@@ -21,6 +21,8 @@ from src.parallel.distributed import DistInfo
 from src.parallel.parallelize import apply_fsdp
 from src.trainer.grad_cache import accumulate_gradients, check_accum_steps, split_batch
 from src.trainer.loss import clip_loss
+from src.trainer.memory import estimate_memory
+from src.trainer.preflight import ConfigurationError, preflight
 from src.trainer.trainer import Trainer
 from tests.conftest import compose_config
 from tests.test_model import tiny_config
@@ -103,10 +105,18 @@ def test_patch_dropout_draws_the_same_tokens_in_the_second_forward():
     assert torch.rand(1) == after  # the random stream goes on from where the first pass left it
 
 
-def test_preflight_refusals_name_the_keys():
-    with pytest.raises(ValueError, match=r"data.batch_size=32 over 2 rank\(s\) gives 16 samples per rank, which "
-                                         r"trainer.accum_steps=3"):
-        check_accum_steps(3, 32, 2, video=False, cuda_graph=False)
+def test_preflight_refusals_name_the_keys(tmp_path):
+    cfg = compose_config(["experiment=quickstart", "data.generate=true", "data.batch_size=32", "trainer.accum_steps=3",
+                          f"trainer.run_dir={tmp_path}"])
+    with pytest.raises(ConfigurationError, match=r"data.batch_size=32 over 2 rank\(s\) gives 16 samples per rank, "
+                                                 r"which trainer.accum_steps=3 does not divide"):
+        preflight(cfg, DistInfo(0, 2, 0, CPU), str(tmp_path))
+    cfg.trainer.accum_steps = 0
+    with pytest.raises(ConfigurationError, match="trainer.accum_steps=0 is out of range: set it to at least 1"):
+        preflight(cfg, DistInfo(0, 2, 0, CPU), str(tmp_path))
+    # The memory preflight checks is one micro-batch's activations.
+    cfg.trainer.accum_steps = 4
+    assert estimate_memory(cfg, 2).samples == 4
     with pytest.raises(ValueError, match="trainer.accum_steps=2 does not apply to video"):
         check_accum_steps(2, 32, 1, video=True, cuda_graph=False)
     with pytest.raises(ValueError, match="trainer.cuda_graph=true cannot record trainer.accum_steps=2"):
