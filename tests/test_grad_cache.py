@@ -6,6 +6,8 @@ import contextlib
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from src.trainer.loss import clip_loss
 from src.trainer.memory import estimate_memory
 from src.trainer.preflight import ConfigurationError, preflight
 from src.trainer.trainer import Trainer
-from tests.conftest import compose_config
+from tests.conftest import ROOT, compose_config
 from tests.test_model import tiny_config
 
 CPU = torch.device("cpu")
@@ -220,3 +222,17 @@ def test_accumulated_run_resumes_exactly(shapes, tmp_path):
     assert [m["step"] for m in want] == list(range(4)) and want == got
     assert all(0 < m["train/grad_norm"] < float("inf") and not m["train/skipped_step"] for m in want)
     assert len({m["train/loss"] for m in want}) == 4  # the weights moved
+
+
+def test_accum_bench_smoke_run(tmp_path):
+    """bench/accum.py on the CPU (its figures come from the GPU): both configurations and the summary."""
+    out = tmp_path / "accum.json"
+    command = [sys.executable, "bench/accum.py", "--device", "cpu", "--model", "vit_tiny", "--batch", "8",
+               "--accum-steps", "2", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads(out.read_text())
+    assert [(row["batch"], row["accum_steps"]) for row in written["rows"]] == [(8, 2), (4, 1)]
+    assert [json.loads(line) for line in result.stdout.splitlines()[-3:]] == [*written["rows"], written["summary"]]
+    assert written["summary"]["time_per_sample_ratio"] > 0 and written["summary"]["micro_batch"] == 4
