@@ -126,6 +126,15 @@ def test_preflight_refusals_name_the_keys(tmp_path):
     check_accum_steps(4, 32, 2, video=False, cuda_graph=False)
 
 
+def stepped(model) -> dict[str, torch.Tensor]:
+    """The parameters after one AdamW step on the gradients they hold, whole. The key biases' true gradient is 0
+    (softmax ignores a shift shared by a query's scores): what they hold is rounding noise of about 1e-17, which a
+    first Adam step with a tiny eps would turn into steps of ±lr that follow the summation order; eps=1e-6 keeps
+    those steps below 1e-12 and every real gradient's step near lr."""
+    torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6).step()
+    return {name: whole(p.detach()) for name, p in model.named_parameters()}
+
+
 def counted_allreduce(calls: list, bucket):
     """DDP's own all-reduce of a gradient bucket, counted."""
     calls.append(1)
@@ -158,7 +167,7 @@ def distributed_worker(rank: int, port: int, out: str) -> None:
             features_loss(features(ddp, local)).backward()
         else:
             accumulate(ddp, local, steps)
-        results[name] = (grads(ddp.module), len(calls))
+        results[name] = (grads(ddp.module), len(calls), stepped(ddp.module))
     fsdp = copy.deepcopy(model)
     apply_fsdp(fsdp, init_device_mesh("cpu", (WORLD,)))
     calls = []
@@ -167,7 +176,7 @@ def distributed_worker(rank: int, port: int, out: str) -> None:
         accumulate(fsdp, local, 4)
     finally:
         dist.reduce_scatter_single = original
-    results["fsdp2"] = (grads(fsdp), len(calls))
+    results["fsdp2"] = (grads(fsdp), len(calls), stepped(fsdp))
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -179,11 +188,13 @@ def test_two_ranks_accumulate_the_whole_batch_gradient_with_one_reduction(tmp_pa
     out = str(tmp_path / "rank0.pt")
     mp.spawn(distributed_worker, args=(29561, out), nprocs=WORLD)
     results = torch.load(out, weights_only=True)
-    (want, buckets), (got, calls) = results["whole"], results["accumulated"]
+    (want, buckets, want_params), (got, calls, params) = results["whole"], results["accumulated"]
     assert_close(got, want)
+    assert_close(params, want_params)
     assert calls == buckets >= 1
-    fsdp_grads, reduce_scatters = results["fsdp2"]
+    fsdp_grads, reduce_scatters, fsdp_params = results["fsdp2"]
     assert_close(fsdp_grads, want)
+    assert_close(fsdp_params, want_params)
     model, _ = float64_model_and_batch(16)
     groups = 1 + sum(1 for m in model.modules() if type(m).__name__.endswith("Block"))  # blocks and the root
     assert reduce_scatters == groups
