@@ -118,7 +118,11 @@ def test_preflight_refusals_name_the_keys(tmp_path):
         preflight(cfg, DistInfo(0, 2, 0, CPU), str(tmp_path))
     # The memory preflight checks is one micro-batch's activations.
     cfg.trainer.accum_steps = 4
-    assert estimate_memory(cfg, 2).samples == 4
+    estimate = estimate_memory(cfg, 2)
+    assert estimate.samples == 4
+    # Under FSDP2 the gradients stay whole between micro-batches (set_requires_gradient_sync(False)).
+    cfg.trainer.data_parallel = "fsdp2"
+    assert estimate_memory(cfg, 2).weights_bytes == 6 * estimate.parameters == 0.75 * estimate.weights_bytes
     with pytest.raises(ValueError, match="trainer.accum_steps=2 does not apply to video"):
         check_accum_steps(2, 32, 1, video=True, cuda_graph=False)
     with pytest.raises(ValueError, match="trainer.cuda_graph=true cannot record trainer.accum_steps=2"):
