@@ -76,8 +76,10 @@ def test_four_micro_batches_give_the_whole_batch_gradient_and_step():
     reference = copy.deepcopy(model)
     want_loss = features_loss(features(reference, batch))
     want_loss.backward()
-    # A loss scaler's scale reaches the parameters through the cached gradients, once.
-    loss = accumulate(model, batch, 4, scale=lambda loss: loss * 1024)
+    # A loss scaler's scale reaches the parameters through the cached gradients, once. An output the model lacks
+    # (None, as a loss's optional bias) passes through.
+    loss = accumulate_gradients(lambda m, b: (*features(m, b), None), lambda f: features_loss(f[:3]), model, batch, 4,
+                                scale=lambda loss: loss * 1024, autocast=contextlib.nullcontext, device=CPU)
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12)
     got = {name: g / 1024 for name, g in grads(model).items()}
     assert_close(got, grads(reference))

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-Features = tuple[torch.Tensor, ...]
+Features = tuple[torch.Tensor | None, ...]  # None: an output this model does not have (a loss's optional bias)
 FeaturesFn = Callable[[nn.Module, dict], Features]
 FeaturesLoss = Callable[[Features], torch.Tensor]
 
@@ -94,10 +94,12 @@ def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
         torch.cuda.set_rng_state(state[1], device)
 
 
-def join(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The micro-batches' features as one: per-sample rows concatenated, a 0-dim scalar (the same parameter's value
-    in every micro-batch) taken once."""
-    return parts[0] if parts[0].ndim == 0 else torch.cat(parts)
+def leaf(parts: list[torch.Tensor | None], requires_grad: bool) -> torch.Tensor | None:
+    """The micro-batches' features as one leaf tensor: per-sample rows concatenated, a 0-dim scalar (the same
+    parameter's value in every micro-batch) taken once."""
+    if parts[0] is None:
+        return None
+    return (parts[0] if parts[0].ndim == 0 else torch.cat(parts)).requires_grad_(requires_grad)
 
 
 def accumulate_gradients(
@@ -113,18 +115,18 @@ def accumulate_gradients(
     # it needs no second forward, and activation memory still holds one micro-batch's at a time.
     with gradient_sync_off(forward_model), autocast():
         first = features(forward_model, micro[0])
-    cached, states = [tuple(f.detach() for f in first)], []
+    cached, states = [tuple(None if f is None else f.detach() for f in first)], []
     with torch.no_grad(), autocast():
         for part in micro[1:]:
             states.append(rng_state(device))
             cached.append(features(forward_model, part))
     after = rng_state(device)
     # Features no parameter produced (a frozen tower's) need no gradient.
-    leaves = tuple(join(list(parts)).requires_grad_(f.requires_grad) for parts, f in zip(zip(*cached), first))
+    leaves = tuple(leaf(list(parts), f is not None and f.requires_grad) for parts, f in zip(zip(*cached), first))
     with autocast():
         loss = features_loss(leaves)
     scale(loss).backward()
-    grads = [leaf.grad for leaf in leaves]
+    grads = [None if t is None else t.grad for t in leaves]
     per_sample = [g.chunk(accum_steps) if g is not None and g.ndim else None for g in grads]
     for i in range(accum_steps):
         last = i == accum_steps - 1
