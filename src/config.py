@@ -310,6 +310,7 @@ class TrainerConfig:
     max_nonfinite_steps: int | None
     sp_size: int
     data_parallel: DataParallel
+    accum_steps: int
 
 
 @dataclass

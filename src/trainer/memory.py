@@ -4,7 +4,8 @@ being killed by the kernel's out-of-memory killer, which leaves no trace in the 
 
 The estimate (per rank, in bytes):
 - parameters, counted on the meta device: weights and gradients in float32 (4 + 4 bytes each) and the optimizer's
-  two moments (8 bytes for AdamW and StableAdamW, 2 for 8-bit AdamW); FSDP2 shards all three over the ranks;
+  two moments (8 bytes for AdamW and StableAdamW, 2 for 8-bit AdamW); FSDP2 shards all three over the ranks,
+  except the gradients under trainer.accum_steps > 1, which FSDP2 accumulates whole until the step's one reduction;
 - activations kept for the backward, per sample and per transformer block of width d over n tokens: about
   (10 + 2·mlp_ratio)·d·n values without checkpointing (the norms' inputs and outputs, q, k, v, the attention output,
   the residuals, the MLP's hidden and GELU outputs; fused attention keeps no n×n scores), d·n for a block whose
@@ -42,7 +43,7 @@ class MemoryEstimate:
     weights_bytes: float  # weights and gradients, this rank's share
     optimizer_bytes: float  # the optimizer's moments, this rank's share
     activation_bytes_per_sample: float
-    samples: int  # this rank's share of the global batch
+    samples: int  # this rank's share of the global batch (of one micro-batch with trainer.accum_steps)
 
     @property
     def total(self) -> float:
@@ -77,6 +78,7 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     model = cfg.model
     parameters = count_parameters(build_model(model, "meta"))["total"]
     shards = world_size if cfg.trainer.data_parallel == "fsdp2" else 1
+    gradient_shards = shards if cfg.trainer.accum_steps == 1 else 1
     policy = "full" if model.grad_checkpointing and model.checkpoint_policy == "none" else str(model.checkpoint_policy)
     vision = model.vision
     frames = max(1, cfg.data.frames) / (cfg.trainer.sp_size if cfg.data.frames else 1)
@@ -89,11 +91,14 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
                           for tower, tokens in ((vision, image_tokens), (model.text, model.text.context_length)))
     value_bytes = 4 if cfg.precision.dtype == "fp32" else 2
     input_bytes = frames * 3 * vision.image_size**2 * 4
+    # Accumulation keeps one micro-batch's activations at a time (src/trainer/grad_cache.py).
+    samples = cfg.data.batch_size // world_size // cfg.trainer.accum_steps
+    samples *= cfg.trainer.sp_size if cfg.data.frames else 1
     return MemoryEstimate(
-        parameters=parameters, weights_bytes=8 * parameters / shards,
+        parameters=parameters, weights_bytes=4 * parameters / shards + 4 * parameters / gradient_shards,
         optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * parameters / shards,
         activation_bytes_per_sample=values * value_bytes + input_bytes,
-        samples=cfg.data.batch_size // world_size * (cfg.trainer.sp_size if cfg.data.frames else 1),
+        samples=samples,
     )
 
 
@@ -133,6 +138,7 @@ def check_memory(estimate: MemoryEstimate, available: float, where: str) -> None
     raise ValueError(
         f"the run needs about {estimate.total / GB:.1f} GB per rank ({estimate.describe()}), more than "
         f"{REFUSE_ABOVE}x the {available / GB:.1f} GB of {where}: it would be killed for lack of memory. Use "
-        f"{batch_hint}, model.checkpoint_policy=full (recompute blocks in the backward), more ranks, or "
+        f"{batch_hint}, model.checkpoint_policy=full (recompute blocks in the backward), a larger "
+        "trainer.accum_steps (micro-batches, the same gradient), more ranks, or "
         "trainer.data_parallel=fsdp2 to shard the weights and optimizer state"
     )

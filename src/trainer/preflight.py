@@ -25,6 +25,7 @@ from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
+from src.trainer.grad_cache import check_accum_steps
 from src.trainer.memory import available_memory, check_memory, estimate_memory
 from src.trainer.pretrained import (
     OPENCLIP,
@@ -111,6 +112,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("trainer.eval.batch_size", lambda v: v >= 1, "at least 1"),
     ("trainer.preempt_deadline_s", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("trainer.max_nonfinite_steps", lambda v: v is None or v >= 0, "0 or more (or null)"),
+    ("trainer.accum_steps", lambda v: v >= 1, "at least 1 (1: no accumulation)"),
 )
 # (keys, holds for valid values, the rule in words): ranges that depend on another key.
 RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
@@ -259,6 +261,8 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
         lambda: not cfg.trainer.cuda_graph or check_cuda_graph(dist_info.device, dist_info.world_size,
                                                                cfg.precision.scaler),
+        lambda: check_accum_steps(cfg.trainer.accum_steps, cfg.data.batch_size, dist_info.world_size, video,
+                                  cfg.trainer.cuda_graph),
         lambda: checkpoint.find_resume(
             os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required,
             rank=dist_info.rank, checksums=False,

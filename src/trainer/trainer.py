@@ -35,6 +35,7 @@ from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.evaluate import evaluate
+from src.trainer.grad_cache import Features, FeaturesFn, FeaturesLoss, accumulate_gradients
 from src.trainer.loss import contrastive_loss
 from src.trainer.metrics import MetricLogger
 from src.trainer.optim_resume import ResumedOptimizer, ResumedSchedule, resume_summary
@@ -80,13 +81,18 @@ class TrainParts:
       the model as the Trainer wrapped it for data parallelism).
     - `evaluate(model, autocast)`: the evaluation's results on the rank that logs them, None on the others
       (which may still take part).
-    - `patch_embed`: the parameter whose update RMS spike detection follows."""
+    - `patch_embed`: the parameter whose update RMS spike detection follows.
+    - `features(forward_model, batch)` and `features_loss(features)`, where the loss is a function of per-sample
+      features (and the model's 0-dim scalars): `loss` split in two, for trainer.accum_steps > 1
+      (src/trainer/grad_cache.py). None where it is not (the video head scores clip and caption together)."""
 
     model: nn.Module
     loader: Loader
     loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
     evaluate: Callable[[nn.Module, Callable[[], contextlib.AbstractContextManager]], dict[str, float] | None]
     patch_embed: str
+    features: FeaturesFn | None = None
+    features_loss: FeaturesLoss | None = None
 
 
 BuildParts = Callable[[TrainConfig, DistInfo], TrainParts]
@@ -134,13 +140,20 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
     # Under FSDP2 every forward needs every rank's shards, so all ranks evaluate the same data and rank 0 logs.
     sharded = shards_model(cfg, dist_info)
 
-    def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def features(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> Features:
+        """The model's outputs: image and text features, logit scale, and the logit bias of loss=siglip."""
         images = normalize(batch["images"].to(device, non_blocking=True))
         tokens = batch["tokens"].to(device, non_blocking=True)
+        return forward_model(images, tokens)
+
+    def features_loss(outputs: Features) -> torch.Tensor:
         # (image features, text features, logit scale) and, when the model has one (loss=siglip), the logit bias.
-        image_features, text_features, logit_scale, *logit_bias = forward_model(images, tokens)
+        image_features, text_features, logit_scale, *logit_bias = outputs
         return contrastive(image_features.float(), text_features.float(), logit_scale.float(),
                            logit_bias[0].float() if logit_bias else None)
+
+    def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return features_loss(features(forward_model, batch))
 
     def evaluate_images(model: nn.Module, autocast: Callable) -> dict[str, float] | None:
         """On rank 0 only (or every rank under FSDP2), on the unwrapped model."""
@@ -155,7 +168,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
             )
         return results if dist_info.is_main else None
 
-    return TrainParts(model, loader, loss, evaluate_images, PATCH_EMBED)
+    return TrainParts(model, loader, loss, evaluate_images, PATCH_EMBED, features, features_loss)
 
 
 class Trainer:
@@ -229,9 +242,14 @@ class Trainer:
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Everything before the optimizer: loss, backward, unscaling, clipping (what `trainer.cuda_graph` records).
         Device tensors only."""
-        with self.autocast():
-            loss = self.forward_loss(batch)
-        self.scaler.scale(loss).backward()
+        if self.cfg.trainer.accum_steps > 1:
+            loss = accumulate_gradients(self.parts.features, self.parts.features_loss, self.forward_model, batch,
+                                        self.cfg.trainer.accum_steps, scale=self.scaler.scale,
+                                        autocast=self.autocast, device=self.device)
+        else:
+            with self.autocast():
+                loss = self.forward_loss(batch)
+            self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.gradients(), self.cfg.optim.grad_clip_norm, divisor=self.scaler.divisor,
                                    ignore_nonfinite=self.scaler.skips_tensors)
