@@ -91,6 +91,24 @@ def test_four_micro_batches_give_the_whole_batch_gradient_and_step():
     assert_close(dict(model.named_parameters()), dict(reference.named_parameters()))
 
 
+def test_siglip_accumulates_the_whole_batch_gradient_with_its_bias_counted_once():
+    from src.trainer.siglip_loss import siglip_loss
+
+    torch.manual_seed(0)
+    cfg = tiny_config(ls_init_value=0.5)
+    cfg.init_logit_bias, cfg.init_logit_scale = -10.0, 2.302585
+    model = build_model_with_kernels(cfg).double()
+    batch = {"images": torch.randn(8, 3, 32, 32, dtype=torch.float64), "tokens": torch.randint(1, 1000, (8, 16))}
+    reference = copy.deepcopy(model)
+    want_loss = siglip_loss(*features(reference, batch))
+    want_loss.backward()
+    loss = accumulate_gradients(features, lambda f: siglip_loss(*f), model, batch, 4, scale=lambda loss: loss,
+                                autocast=contextlib.nullcontext, device=CPU)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12)
+    assert_close(grads(model), grads(reference))
+    assert grads(reference)["logit_bias"].abs() > 1e-3
+
+
 def test_patch_dropout_draws_the_same_tokens_in_the_second_forward():
     """The gradient equals the one of the loss over the features the first pass computed, whatever tokens patch
     dropout kept: each micro-batch's second forward replays its random state."""
