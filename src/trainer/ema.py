@@ -91,6 +91,8 @@ class ModelEMA:
 def export_ema(checkpoint_dir: str, out: str) -> str:
     """Write the EMA weights of the checkpoint `checkpoint_dir` (a checkpoints/step_N directory) as `out`, a
     model.pt that `model.init_from` and OpenCLIP's `load_state_dict` take. Returns `out`."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"{checkpoint_dir} is not a checkpoint directory: give a checkpoints/step_N directory")
     source = os.path.join(checkpoint_dir, f"{EMA_FILE}.pt")
     if not os.path.isfile(source):
         raise FileNotFoundError(f"{checkpoint_dir} holds no {EMA_FILE}.pt: its run had trainer.ema_decay=null (give a "
