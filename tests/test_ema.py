@@ -19,7 +19,8 @@ def metrics(run_dir) -> list[dict]:
 def test_the_ema_after_each_step_is_the_hand_computed_lerp(shapes, tmp_path):
     decay = 0.75
     trainer = small_trainer(shapes, tmp_path / "run", f"trainer.ema_decay={decay}", "trainer.max_steps=4")
-    params = dict(trainer.model.named_parameters())
+    params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert len(params) == len(list(trainer.model.parameters()))  # nothing frozen here
     want = {name: p.detach().double().clone() for name, p in params.items()}
     for _ in range(4):
         trainer.train_step(next(trainer.loader))
@@ -87,3 +88,27 @@ def test_a_resumed_run_with_an_ema_matches_the_uninterrupted_one_and_exports_it(
                      "trainer.ema_decay=0.5")
     assert "has no EMA of the weights" in caplog.text
     assert all(torch.equal(a, p) for a, p in zip(late.ema.average, late.model.parameters()))
+
+
+def test_frozen_parameters_get_no_average_and_keep_their_weights_through_a_resume():
+    from src.trainer.ema import ModelEMA
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    ema = ModelEMA(model, 0.5)
+    assert len(ema.average) == 2  # the second layer's weight and bias
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    saved, weights = ema.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert torch.equal(saved["0.weight"], weights["0.weight"])  # frozen: its own average
+    assert torch.allclose(saved["1.bias"], weights["1.bias"] - 0.5)  # halfway from the old weights to the new
+    # A resume loads ema.pt, then model.pt (TrainState's order): the average and the weights come back as saved.
+    restored = ModelEMA(model, 0.5)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    restored.load_state_dict(saved)
+    model.load_state_dict(weights)
+    assert all(torch.equal(a, b) for a, b in zip(restored.average, ema.average))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())

@@ -2,7 +2,7 @@
 optimizer step.
 
 The average lives on the training device in the parameters' dtype (float32: parameters stay float32 under every
-precision, autocast computes in 16 bits), one tensor per parameter, and is updated with one `_foreach_lerp_`
+precision, autocast computes in 16 bits), one tensor per trainable parameter, and is updated with one `_foreach_lerp_`
 (a multi-tensor kernel on a GPU, no host sync). Under FSDP2 each rank averages its own shards (the local tensors
 of the parameters' DTensors), so the average costs 1/world of the weights per rank, as the weights do.
 
@@ -48,7 +48,8 @@ class ModelEMA:
         if not 0 < decay < 1:
             raise ValueError(f"trainer.ema_decay={decay} is out of range: set it in (0, 1), e.g. 0.9999")
         self.model, self.decay = model, decay
-        self.parameters = list(model.parameters())
+        # Frozen parameters (a locked tower, the video run's frozen blocks) are their own average: no copy of them.
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             self.average = [local(p).detach().clone() for p in self.parameters]
 
@@ -84,6 +85,8 @@ class ModelEMA:
             return {name: t.detach().to("cpu", copy=True) for name, t in model_state(model).items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The average from `state`. The model's frozen parameters get `state`'s values too: load the model's own
+        weights after this (TrainState does)."""
         with self.swapped() as model:
             load_model_state(model, state)
 

@@ -80,8 +80,9 @@ class RNGState:
 class TrainState:
     """name -> stateful part. `model` is model.pt whole; `progress` is spread over train_state.pt's top level;
     `shared` are train_state.pt's other keys (rank 0 writes them); `per_rank` are the keys of every rank's own
-    file. Parts are saved and loaded in this order (model before optimizer: loading FSDP2's optimizer state needs
-    the parameters' shards in place)."""
+    file; `files` are optional whole files beside model.pt (ema.pt). Parts are saved and loaded in this order (model
+    before optimizer: loading FSDP2's optimizer state needs the parameters' shards in place), except that `files`
+    load before the model (see `load`)."""
 
     model: Stateful
     progress: Progress
@@ -105,11 +106,13 @@ class TrainState:
         whether the checkpoint has that file. One file at a time, so the host holds one of them, not all (a large
         model's optimizer state is twice its size). Returns the stems of `files` the checkpoint lacks: those parts
         were not restored."""
-        self.model.load_state_dict(read(MODEL_FILE))
+        # The optional files first: loading the EMA writes through the model's tensors (swapped in), so the model's
+        # own file must come after it.
         missing = [stem for stem in self.files if not holds(stem)]
         for stem, part in self.files.items():
             if stem not in missing:
                 part.load_state_dict(read(stem))
+        self.model.load_state_dict(read(MODEL_FILE))
         shared = read(SHARED_FILE)
         for name, part in self.shared.items():
             part.load_state_dict(shared[name])
