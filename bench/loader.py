@@ -76,7 +76,7 @@ from torchvision.transforms.v2 import functional as TF
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
 from src.compose import compose_config  # noqa: E402
-from src.data.image_text import decode_image, random_resized_crop_box  # noqa: E402
+from src.data.image_text import Preprocess, decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.tools.shard_writer import Row, make_shards  # noqa: E402
 
@@ -269,6 +269,9 @@ def measure(name: str, make: Callable[[], tuple[Iterator, dict]], workers: int, 
 # ----------------------------------------------------------------------------------------------- decode
 
 
+PREPROCESS = Preprocess.from_config(compose_config([]).data)  # the default resize, no augmentation
+
+
 def crop_uint8(image: torch.Tensor, rng: random.Random) -> torch.Tensor:
     height, width = image.shape[-2:]
     top, left, h, w = random_resized_crop_box(width, height, rng, (CROP_SCALE_MIN, 1.0))
@@ -276,7 +279,7 @@ def crop_uint8(image: torch.Tensor, rng: random.Random) -> torch.Tensor:
 
 
 def decode_ours(data: bytes, rng: random.Random) -> torch.Tensor:
-    return decode_image(data, IMAGE_SIZE, rng, CROP_SCALE_MIN, None)
+    return decode_image(data, IMAGE_SIZE, rng, CROP_SCALE_MIN, None, preprocess=PREPROCESS)
 
 
 def decode_pil_draft(data: bytes, rng: random.Random) -> torch.Tensor:

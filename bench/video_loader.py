@@ -81,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import src.data.loader as loader_module  # noqa: E402
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
 from src.compose import compose_config  # noqa: E402
-from src.data.image_text import crop, random_resized_crop_box  # noqa: E402
+from src.data.image_text import Preprocess, crop, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.data.video_text import segment_times  # noqa: E402
 from src.tools.shard_writer import read_captions, shard_pattern  # noqa: E402
@@ -253,10 +253,13 @@ def seek_decode(source: str | io.BytesIO, frames: int, rng: random.Random) -> to
     return torch.stack(picked)
 
 
+PREPROCESS = Preprocess.from_config(compose_config([]).data)  # the default resize, no augmentation
+
+
 def crop_clip(clip: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
     """One random resized crop and one flip for the whole clip, as `src.data.video_text.decode_clip` does."""
     height, width = clip.shape[-2:]
-    clip = crop(clip, size, random_resized_crop_box(width, height, rng, (CROP_SCALE_MIN, 1.0)))
+    clip = crop(clip, size, random_resized_crop_box(width, height, rng, (CROP_SCALE_MIN, 1.0)), PREPROCESS)
     return clip.flip(-1) if rng.random() < 0.5 else clip
 
 
@@ -353,11 +356,12 @@ def use_bench_mp4_decoder() -> None:
     shards, but an `mp4` member is decoded by `seek_decode` (the workers are forked and inherit this)."""
     original = loader_module.decode_pixels
 
-    def decode_pixels(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, *rest):
+    def decode_pixels(sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, *rest,
+                      **options):
         if frames and "mp4" in sample:
             rng = rng or random.Random(0)
             return crop_clip(seek_decode(io.BytesIO(sample["mp4"]), frames, rng), size, rng)
-        return original(sample, frames, size, rng, scale_min, *rest)
+        return original(sample, frames, size, rng, scale_min, *rest, **options)
 
     loader_module.decode_pixels = decode_pixels
 

@@ -110,6 +110,28 @@ class DataMode(Choice):
     resampled = "resampled"
 
 
+class Interpolation(Choice):
+    bicubic = "bicubic"
+    bilinear = "bilinear"
+
+
+class ResizeMode(Choice):
+    crop = "crop"
+    squash = "squash"
+
+
+class LrSchedule(Choice):
+    cosine = "cosine"
+    constant = "constant"
+    const_cooldown = "const_cooldown"
+
+
+class CooldownShape(Choice):
+    linear = "linear"
+    sqrt = "sqrt"
+    cosine = "cosine"
+
+
 class OptimizerName(Choice):
     adamw = "adamw"
     stable_adamw = "stable_adamw"
@@ -236,6 +258,13 @@ class DataConfig:
     num_workers: int | None
     shuffle_buffer: int
     crop_scale_min: float
+    image_mean: list[float]
+    image_std: list[float]
+    interpolation: Interpolation
+    resize_mode: ResizeMode
+    color_jitter: float
+    color_jitter_prob: float
+    grayscale_prob: float
     frames: int
     generate: bool
     generate_train_samples: int
@@ -253,6 +282,9 @@ class OptimConfig:
     weight_decay: float
     clip_threshold: float
     warmup_steps: int
+    schedule: LrSchedule
+    cooldown_steps: int
+    cooldown_shape: CooldownShape
     min_lr_ratio: float
     grad_clip_norm: float | None
 
@@ -311,6 +343,7 @@ class TrainerConfig:
     sp_size: int
     data_parallel: DataParallel
     accum_steps: int
+    ema_decay: float | None
 
 
 @dataclass

@@ -36,6 +36,30 @@ def run_train(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subp
     return result
 
 
+# A vit_tiny a few units wide, fp32: a step takes milliseconds on a CPU.
+SMALL_MODEL = ["model.embed_dim=8", "model.vision.width=8", "model.vision.heads=1", "model.vision.layers=1",
+               "model.text.width=8", "model.text.heads=1", "model.text.layers=1"]
+
+
+def small_trainer(shapes: dict[str, str], run_dir, *extra: str, evaluate: bool = False):
+    """An in-process Trainer of the SMALL_MODEL on `shapes` (batch 8, no loader workers), evaluating the held-out
+    shards only with `evaluate`."""
+    import torch  # here, not at the top: every test loads conftest, and most never build a Trainer
+
+    from src.parallel.distributed import DistInfo
+    from src.trainer.trainer import Trainer
+
+    data = data_overrides(shapes) if evaluate else [
+        f"data.shards='{shapes['shards']}'", "data.eval_shards=null", "data.generate=false"]
+    cfg = compose_config([
+        "experiment=quickstart", *SMALL_MODEL, *data, f"trainer.run_dir={run_dir}", "trainer.progress=false",
+        "data.batch_size=8", "data.num_workers=0", "trainer.log_every=1", "optim.warmup_steps=1", "logger=none",
+        *extra,
+    ])
+    run_dir.mkdir(parents=True, exist_ok=True)  # train.py makes it
+    return Trainer(cfg, str(run_dir), DistInfo(0, 1, 0, torch.device("cpu")))
+
+
 FAULT_LEDGER: list[list] = []  # (guarantee, faults injected, runs that went on to finish, samples lost) per row
 
 
@@ -53,4 +77,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"{row[0]:<48} {row[1]:>7} {row[2]:>9} {row[3]:>13}")
     totals = [sum(row[i] for row in FAULT_LEDGER) for i in (1, 2, 3)]
     terminalreporter.write_line(f"{'total':<48} {totals[0]:>7} {totals[1]:>9} {totals[2]:>13}")
-

@@ -16,7 +16,7 @@ from PIL import Image
 
 from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
-from src.data.image_text import OversizedImage
+from src.data.image_text import OversizedImage, Preprocess
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import decode_clip
@@ -170,7 +170,7 @@ def test_a_decompression_bomb_is_skipped_from_its_header(tmp_path, shapes):
     assert time.process_time() - start < 5  # decoding it alone takes seconds and 432 MB
     frames = {"__key__": "clip", **{f"f{i:03d}.jpg": bomb for i in range(4)}}
     with pytest.raises(OversizedImage, match="12000x12000 = 144000000 pixels, above data.max_image_pixels=67108864"):
-        decode_clip(frames, 4, 32, None, 1.0, cfg.max_image_pixels)
+        decode_clip(frames, 4, 32, None, 1.0, cfg.max_image_pixels, preprocess=Preprocess.from_config(cfg))
 
 
 def test_a_caption_that_is_not_utf8_is_a_bad_caption(tmp_path, shapes):
@@ -219,7 +219,7 @@ def test_small_jpegs_decode_as_pil_does_and_large_ones_at_a_reduced_scale(mode):
 
 def test_eval_batches_carry_labels(shapes):
     batches = list(eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16,
-                                num_workers=2))
+                                num_workers=2, preprocess=Preprocess.from_config(compose_config([]).data)))
     labels = torch.cat([b["labels"] for b in batches])
     assert len(labels) == 100 and labels.min() >= 0
     assert os.path.isfile(os.path.join(os.path.dirname(expand_shards(shapes["eval_shards"])[0]), "classes.json"))

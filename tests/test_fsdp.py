@@ -213,22 +213,25 @@ def assert_same_tensors(got, want, path: str = "") -> None:
 def test_fsdp2_trains_like_ddp_and_checkpoints_move_between_them(shapes, tmp_path):
     """A few steps (gradient-norm and update clipping on, evaluation at the end) give DDP's metrics and weights
     under FSDP2 with StableAdamW, with torch's AdamW and with the fixed fp16 scaler's per-tensor skips; the
-    checkpoints have DDP's layout; each resumes under the other and continues as the run it came from."""
+    checkpoints have DDP's layout; each resumes under the other and continues as the run it came from. The
+    StableAdamW runs keep an EMA of the weights (each FSDP2 rank of its own shards): it is evaluated and saved as
+    DDP's."""
     names = ("fsdp2", "ddp", "fsdp2_adamw", "ddp_adamw", "fsdp2_fp16", "ddp_fp16", "to_ddp", "to_fsdp2")
     dirs = {name: tmp_path / name for name in names}
     # fp16 activations turn the runs' last-bit differences into ~1e-4 of the loss, and Adam turns the key biases'
     # gradients (rounding noise) into steps of ±lr: compare metrics only, the skip counts exactly, with small steps.
     fp16 = ("optim=stable_adamw", "precision=fp16", "precision.scaler=fixed", "optim.lr=2e-5")
+    ema = "trainer.ema_decay=0.5"
     runs = [
-        run_overrides(shapes, dirs["fsdp2"], "optim=stable_adamw", "trainer.data_parallel=fsdp2"),
-        run_overrides(shapes, dirs["ddp"], "optim=stable_adamw"),
+        run_overrides(shapes, dirs["fsdp2"], "optim=stable_adamw", "trainer.data_parallel=fsdp2", ema),
+        run_overrides(shapes, dirs["ddp"], "optim=stable_adamw", ema),
         run_overrides(shapes, dirs["fsdp2_adamw"], "trainer.data_parallel=fsdp2", evaluate=False),
         run_overrides(shapes, dirs["ddp_adamw"], evaluate=False),
         run_overrides(shapes, dirs["fsdp2_fp16"], *fp16, "trainer.data_parallel=fsdp2", evaluate=False),
         run_overrides(shapes, dirs["ddp_fp16"], *fp16, evaluate=False),
-        run_overrides(shapes, dirs["to_ddp"], "optim=stable_adamw",
+        run_overrides(shapes, dirs["to_ddp"], "optim=stable_adamw", ema,
                       f"trainer.resume={dirs['fsdp2']}/checkpoints/step_00000002"),
-        run_overrides(shapes, dirs["to_fsdp2"], "optim=stable_adamw", "trainer.data_parallel=fsdp2",
+        run_overrides(shapes, dirs["to_fsdp2"], "optim=stable_adamw", "trainer.data_parallel=fsdp2", ema,
                       f"trainer.resume={dirs['ddp']}/checkpoints/step_00000002"),
     ]
     for path in dirs.values():
@@ -237,6 +240,7 @@ def test_fsdp2_trains_like_ddp_and_checkpoints_move_between_them(shapes, tmp_pat
 
     metrics = {name: train_metrics(path) for name, path in dirs.items()}
     assert "eval/zeroshot_top1" in metrics["fsdp2"][STEPS] and "optim/rms/patch_embed" in metrics["fsdp2"][0]
+    assert "eval_ema/zeroshot_top1" in metrics["fsdp2"][STEPS]
     assert_same_metrics(metrics["fsdp2"], metrics["ddp"], range(STEPS + 1))
     assert_same_metrics(metrics["fsdp2_adamw"], metrics["ddp_adamw"], range(STEPS))
     assert_same_metrics(metrics["fsdp2_fp16"], metrics["ddp_fp16"], range(STEPS), rel=1e-3)
@@ -246,5 +250,5 @@ def test_fsdp2_trains_like_ddp_and_checkpoints_move_between_them(shapes, tmp_pat
     assert_same_metrics(metrics["to_ddp"], metrics["fsdp2"], range(2, STEPS + 1))
     assert_same_metrics(metrics["to_fsdp2"], metrics["ddp"], range(2, STEPS + 1))
     for fsdp2, ddp in (("fsdp2", "ddp"), ("fsdp2_adamw", "ddp_adamw"), ("to_fsdp2", "ddp"), ("to_ddp", "fsdp2")):
-        for stem in ("model", "train_state"):
+        for stem in ("model", "train_state") + (("ema",) if fsdp2 != "fsdp2_adamw" else ()):
             assert_same_tensors(load(dirs[fsdp2], STEPS, stem), load(dirs[ddp], STEPS, stem), f"{fsdp2}/{stem}")

@@ -9,12 +9,15 @@ import webdataset as wds
 from PIL import Image
 
 from src.config import DataConfig
+from src.data.image_text import Preprocess
 from src.data.loader import TrainLoader, eval_batches
 from src.data.video_text import TooFewFrames, decode_clip, segment_indices
 from src.tools.shard_writer import read_captions
 from src.tools.synthetic_videos import make_synthetic_videos
 from src.tools.video_pack import pack_videos
 from tests.conftest import compose_config
+
+PREPROCESS = Preprocess.from_config(compose_config([]).data)  # the default resize, no augmentation
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,8 @@ def test_loader_yields_uint8_clips(clip_shards):
     batch = next(loader)
     assert batch["images"].shape == (4, 4, 3, 32, 32) and batch["images"].dtype == torch.uint8
     assert batch["tokens"].shape == (4, 16)
-    evaluation = next(eval_batches(pattern, batch_size=8, image_size=32, context_length=16, num_workers=0, frames=4))
+    evaluation = next(eval_batches(pattern, batch_size=8, image_size=32, context_length=16, num_workers=0, frames=4,
+                                   preprocess=PREPROCESS))
     assert evaluation["images"].shape == (8, 4, 3, 32, 32)
 
 
@@ -59,7 +63,7 @@ def test_one_crop_and_flip_per_clip():
     torch.manual_seed(0)
     frame = jpeg(Image.fromarray(torch.randint(0, 255, (48, 64, 3), dtype=torch.uint8).numpy()))
     sample = {"__key__": "k", **{f"f{i:03d}.jpg": frame for i in range(8)}}
-    clips = [decode_clip(sample, 4, 32, random.Random(seed), 0.3, None) for seed in range(6)]
+    clips = [decode_clip(sample, 4, 32, random.Random(seed), 0.3, None, preprocess=PREPROCESS) for seed in range(6)]
     for clip in clips:
         assert all(torch.equal(clip[0], clip[t]) for t in range(1, 4))
     assert len({c.sum().item() for c in clips}) > 1  # while the crops themselves differ between clips
@@ -97,5 +101,6 @@ def test_mp4_eval_frames_are_fixed_and_move(mp4_shard):
     with tarfile.open(mp4_shard) as tar:
         data = tar.extractfile("000000000.mp4").read()
     sample = {"__key__": "000000000", "mp4": data}
-    first, again = decode_clip(sample, 4, 32, None, 1.0, None), decode_clip(sample, 4, 32, None, 1.0, None)
+    first = decode_clip(sample, 4, 32, None, 1.0, None, preprocess=PREPROCESS)
+    again = decode_clip(sample, 4, 32, None, 1.0, None, preprocess=PREPROCESS)
     assert torch.equal(first, again) and not torch.equal(first[0], first[-1])  # the shape moved between frames

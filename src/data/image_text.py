@@ -1,18 +1,62 @@
-"""One sample: image bytes and a caption in, a uint8 image tensor and caption tokens out."""
+"""One sample: image bytes and a caption in, a uint8 image tensor and caption tokens out.
+
+What a sample goes through follows `data.interpolation`, `data.resize_mode`, `data.color_jitter`,
+`data.color_jitter_prob` and `data.grayscale_prob` (`Preprocess`), in the loader's workers on uint8 pixels; the
+mean and std (`data.image_mean`, `data.image_std`) are applied on the training device (`ImageNormalizer`).
+Training takes the random resized crop, then, when they are on, OpenCLIP's colour jitter and grayscale in its
+order; evaluation takes the deterministic transform of the same interpolation and resize mode, with no
+augmentation. Every random draw comes from the sample's own RNG, so a resumed run draws the same ones."""
 
 from __future__ import annotations
 
 import io
 import math
 import random
+from dataclasses import dataclass
 
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
+from src.config import DataConfig
 from src.data.shards import IMAGE_EXTENSIONS
+
+INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
+# ColorJitter's adjustments, applied in a random order as torchvision's ColorJitter (which OpenCLIP uses) does.
+JITTERS = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation)
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How the loader resizes and augments pixels (see the module's docstring); plain data, for the workers."""
+
+    interpolation: InterpolationMode
+    squash: bool  # data.resize_mode=squash: evaluation resizes the whole image to size x size, without a crop
+    color_jitter: float
+    color_jitter_prob: float
+    grayscale_prob: float
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> Preprocess:
+        return cls(INTERPOLATION[str(cfg.interpolation)], cfg.resize_mode == "squash", cfg.color_jitter,
+                   cfg.color_jitter_prob, cfg.grayscale_prob)
+
+    def augment(self, images: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        """OpenCLIP's training augmentations after the crop, on uint8 (..., 3, H, W) (a clip's frames alike):
+        with probability color_jitter_prob, brightness, contrast and saturation each scaled by a factor drawn from
+        [max(0, 1 - s), 1 + s] (s = color_jitter; no hue jitter, as timm and OpenCLIP read one strength), in a
+        random order; then grayscale with probability grayscale_prob. Draws nothing when both are off."""
+        if self.color_jitter > 0 and rng.random() < self.color_jitter_prob:
+            order = list(range(len(JITTERS)))
+            rng.shuffle(order)
+            for i in order:
+                images = JITTERS[i](images, rng.uniform(max(0.0, 1 - self.color_jitter), 1 + self.color_jitter))
+        if self.grayscale_prob > 0 and rng.random() < self.grayscale_prob:
+            images = TF.rgb_to_grayscale(images, num_output_channels=3)
+        return images
 
 
 def image_bytes(sample: dict) -> bytes:
@@ -68,24 +112,32 @@ def load_rgb(data: bytes, size: int, max_pixels: int | None) -> torch.Tensor:
         return TF.pil_to_tensor(img.convert("RGB"))
 
 
-def crop(image: torch.Tensor, size: int, box: tuple[int, int, int, int] | None) -> torch.Tensor:
-    """(..., 3, size, size): the resized crop `box` (top, left, height, width) in training; a resize of the
-    short side and a centre crop in evaluation (box None). Leading dimensions (frames of a clip) share it."""
+def crop(image: torch.Tensor, size: int, box: tuple[int, int, int, int] | None, preprocess: Preprocess) -> torch.Tensor:
+    """(..., 3, size, size): the resized crop `box` (top, left, height, width) in training; in evaluation (box
+    None) a resize of the short side and a centre crop, or with `preprocess.squash` a resize of the whole image.
+    Leading dimensions (frames of a clip) share it."""
+    mode = preprocess.interpolation
     if box is not None:
-        return TF.resized_crop(image, *box, [size, size], antialias=True)
-    if image.shape[-2:] != (size, size):
-        image = TF.resize(image, size, antialias=True)
-    return TF.center_crop(image, [size, size])
+        return TF.resized_crop(image, *box, [size, size], interpolation=mode, antialias=True)
+    if image.shape[-2:] == (size, size):
+        return image
+    if preprocess.squash:
+        return TF.resize(image, [size, size], interpolation=mode, antialias=True)
+    return TF.center_crop(TF.resize(image, size, interpolation=mode, antialias=True), [size, size])
 
 
 def decode_image(
-    data: bytes, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None
+    data: bytes, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None, *,
+    preprocess: Preprocess,
 ) -> torch.Tensor:
-    """A (3, size, size) uint8 tensor: random resized crop in training (rng given), centre crop in evaluation."""
+    """A (3, size, size) uint8 tensor: random resized crop and augmentation in training (rng given), the
+    deterministic transform in evaluation."""
     image = load_rgb(data, size, max_pixels)
+    if rng is None:
+        return crop(image, size, None, preprocess)
     height, width = image.shape[-2:]
-    box = random_resized_crop_box(width, height, rng, (scale_min, 1.0)) if rng is not None else None
-    return crop(image, size, box)
+    image = crop(image, size, random_resized_crop_box(width, height, rng, (scale_min, 1.0)), preprocess)
+    return preprocess.augment(image, rng)
 
 
 def normalize_images(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -33,7 +33,7 @@ from open_clip.tokenizer import tokenize
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from src.config import DataConfig, DataMode
-from src.data.image_text import OversizedImage, decode_image, image_bytes
+from src.data.image_text import OversizedImage, Preprocess, decode_image, image_bytes
 from src.data.processes import shield_worker, start_workers
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
 from src.data.shards import check_pipe_allowed, expand_shards, read_sizes, shards_for_reader
@@ -57,14 +57,15 @@ def default_num_workers() -> int:
 
 def decode_pixels(
     sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None,
-    flip: bool = True,
+    flip: bool = True, *, preprocess: Preprocess,
 ) -> torch.Tensor:
     """An image sample to (3, size, size), or, with `frames` > 0, a packed clip to (frames, 3, size, size),
-    randomly mirrored when `flip`; uint8. Raises KeyError when the sample has no image (or no frames), and
-    OversizedImage for an image (or frame) of more than `max_pixels` pixels."""
+    randomly mirrored when `flip`; uint8, resized and augmented as `preprocess` says. Raises KeyError when the
+    sample has no image (or no frames), and OversizedImage for an image (or frame) of more than `max_pixels`
+    pixels."""
     if frames:
-        return decode_clip(sample, frames, size, rng, scale_min, max_pixels, flip)
-    return decode_image(image_bytes(sample), size, rng, scale_min, max_pixels)
+        return decode_clip(sample, frames, size, rng, scale_min, max_pixels, flip, preprocess=preprocess)
+    return decode_image(image_bytes(sample), size, rng, scale_min, max_pixels, preprocess=preprocess)
 
 
 def read_samples(urls: list[str]) -> Iterator[dict]:
@@ -115,6 +116,7 @@ class TrainStream(IterableDataset):
         self.batch_size, self.image_size, self.context_length = batch_size, image_size, context_length
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.positions, self.role_offset, self.bad_counts = positions, role_offset, bad_counts
+        self.preprocess = Preprocess.from_config(cfg)
 
     def _reader(self, role: int, bad: BadData) -> Reader:
         num_readers = self.world_size * len(self.positions)
@@ -146,7 +148,7 @@ class TrainStream(IterableDataset):
         rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
         try:
             pixels = decode_pixels(sample, self.cfg.frames, self.image_size, rng, self.cfg.crop_scale_min,
-                                   self.cfg.max_image_pixels, self.cfg.hflip)
+                                   self.cfg.max_image_pixels, self.cfg.hflip, preprocess=self.preprocess)
             return pixels, caption
         except KeyError:
             bad.add("missing_image", url)
@@ -305,11 +307,12 @@ class TrainLoader:
 
 
 class EvalStream(IterableDataset):
-    """One ordered pass over held-out shards: centre-cropped images (or clips), tokens and class labels."""
+    """One ordered pass over held-out shards: images (or clips) through the deterministic transform, tokens and
+    class labels."""
 
     def __init__(self, shards: list[str], *, batch_size: int, image_size: int, context_length: int, frames: int = 0,
-                 max_image_pixels: int | None = None):
-        self.shards, self.batch_size, self.frames = shards, batch_size, frames
+                 max_image_pixels: int | None = None, preprocess: Preprocess):
+        self.shards, self.batch_size, self.frames, self.preprocess = shards, batch_size, frames, preprocess
         self.image_size, self.context_length, self.max_image_pixels = image_size, context_length, max_image_pixels
 
     def _batch(self, images: list, captions: list, labels: list) -> dict:
@@ -323,7 +326,8 @@ class EvalStream(IterableDataset):
         shards = self.shards[info.id :: info.num_workers] if info is not None else self.shards
         images, captions, labels = [], [], []
         for sample in read_samples(shards):
-            images.append(decode_pixels(sample, self.frames, self.image_size, None, 1.0, self.max_image_pixels))
+            images.append(decode_pixels(sample, self.frames, self.image_size, None, 1.0, self.max_image_pixels,
+                                        preprocess=self.preprocess))
             captions.append(sample["txt"].decode("utf-8"))
             labels.append(json.loads(sample["json"]).get("label", -1) if "json" in sample else -1)
             if len(images) == self.batch_size:
@@ -335,13 +339,15 @@ class EvalStream(IterableDataset):
 
 def eval_batches(
     pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int, frames: int = 0,
-    max_image_pixels: int | None = None,
+    max_image_pixels: int | None = None, preprocess: Preprocess,
 ) -> Iterator[dict]:
     """One ordered pass over held-out shards: images (or clips of `frames` middle frames), tokens, labels.
-    `max_image_pixels` (data.max_image_pixels) refuses larger images; None leaves only PIL's own limit."""
+    `max_image_pixels` (data.max_image_pixels) refuses larger images; None leaves only PIL's own limit.
+    `preprocess`: the run's (`Preprocess.from_config(cfg.data)`), of which evaluation takes the interpolation and
+    resize mode and no augmentation."""
     shards = expand_shards(pattern, key="data.eval_shards")
     stream = EvalStream(shards, batch_size=batch_size, image_size=image_size, context_length=context_length,
-                        frames=frames, max_image_pixels=max_image_pixels)
+                        frames=frames, max_image_pixels=max_image_pixels, preprocess=preprocess)
     loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(shards)),
                         worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()))
     with start_workers():

@@ -6,7 +6,8 @@ Frames are chosen TSN-style: the K stored frames are cut into T equal segments, 
 frame from each segment (so each epoch sees different frames of the same clip), evaluation the middle one.
 For a video file the segments are cut in time over its duration instead.
 One random resized crop and one horizontal flip are drawn per clip and applied to all its frames, so the
-motion between frames is preserved.
+motion between frames is preserved; so are the colour jitter and grayscale when they are on (`Preprocess`, with the
+image path's interpolation and resize mode; the device normalizes with the same mean and std).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from src.data.image_text import check_pixels, crop, load_rgb, random_resized_crop_box
+from src.data.image_text import Preprocess, check_pixels, crop, load_rgb, random_resized_crop_box
 
 FRAME_MEMBER = re.compile(r"^f(\d{3})\.jpg$")
 VIDEO_MEMBERS = ("mp4", "webm", "mkv", "avi", "mov")
@@ -77,7 +78,7 @@ def video_frames(data: bytes, frames: int, rng: random.Random | None, max_pixels
 
 def decode_clip(
     sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None,
-    flip: bool = True,
+    flip: bool = True, *, preprocess: Preprocess,
 ) -> torch.Tensor:
     """(frames, 3, size, size) uint8; OversizedImage when a frame has more than `max_pixels` pixels."""
     video = next((sample[ext] for ext in VIDEO_MEMBERS if ext in sample), None)
@@ -87,8 +88,9 @@ def decode_clip(
         stored = frame_members(sample)
         clip = torch.stack([load_rgb(stored[i], size, max_pixels) for i in segment_indices(len(stored), frames, rng)])
     if rng is None:
-        return crop(clip, size, None)
+        return crop(clip, size, None, preprocess)
     height, width = clip.shape[-2:]
-    clip = crop(clip, size, random_resized_crop_box(width, height, rng, (scale_min, 1.0)))
+    clip = crop(clip, size, random_resized_crop_box(width, height, rng, (scale_min, 1.0)), preprocess)
     # A caption that names left or right is wrong for a mirrored clip: data.hflip=false turns flips off.
-    return clip.flip(-1) if flip and rng.random() < 0.5 else clip
+    clip = clip.flip(-1) if flip and rng.random() < 0.5 else clip
+    return preprocess.augment(clip, rng)

@@ -400,8 +400,9 @@ def save_train_state(checkpoints: str, step: int, state: TrainState, *, rank: in
                            keep_last_k=keep_last_k)
 
 
-def load_train_state(path: str, state: TrainState, *, rank: int) -> None:
-    """Restore every part `state` registers from the checkpoint directory `path` (verified by `find_resume`)."""
+def load_train_state(path: str, state: TrainState, *, rank: int) -> list[str]:
+    """Restore every part `state` registers from the checkpoint directory `path` (verified by `find_resume`).
+    Returns the optional files (TrainState's `files`) the checkpoint lacks."""
     manifest = read_manifest(path)
     if not os.path.isfile(os.path.join(path, rank_file(rank))):
         saved_by = manifest["world_size"] if manifest else None
@@ -411,7 +412,8 @@ def load_train_state(path: str, state: TrainState, *, rank: int) -> None:
             f"{path!r} has no state for rank {rank}: it was saved with fewer ranks"
             + (f" ({saved_by})" if saved_by else "") + "; resume with the world size it was saved with"
         )
-    state.load(functools.partial(load_file, path), f"rank_{rank}")
+    return state.load(functools.partial(load_file, path), f"rank_{rank}",
+                      lambda stem: os.path.isfile(os.path.join(path, f"{stem}.pt")))
 
 
 def load_torch_file(path: str) -> dict:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from open_clip.tokenizer import tokenize
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
+from src.data.image_text import Preprocess
 from src.data.loader import eval_batches
 from src.data.shards import expand_shards
 from src.models.clip import CLIP
@@ -40,14 +41,14 @@ def recall_at(similarity: torch.Tensor, ks: tuple[int, ...]) -> dict[int, float]
 def evaluate(
     model: CLIP, eval_pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int,
     device: torch.device, prepare_images: Callable[[torch.Tensor], torch.Tensor], autocast,
-    zeroshot: bool = True, retrieval: bool = True,
+    zeroshot: bool = True, retrieval: bool = True, preprocess: Preprocess,
 ) -> dict[str, float]:
     was_training = model.training
     model.eval()
     images, texts, labels = [], [], []
     for batch in eval_batches(
         eval_pattern, batch_size=batch_size, image_size=image_size, context_length=context_length,
-        num_workers=num_workers,
+        num_workers=num_workers, preprocess=preprocess,
     ):
         with autocast():
             images.append(model.encode_image(prepare_images(batch["images"].to(device))).float())

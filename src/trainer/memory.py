@@ -3,9 +3,10 @@ and checked by preflight, so that a run far too large for the machine stops with
 being killed by the kernel's out-of-memory killer, which leaves no trace in the run's log.
 
 The estimate (per rank, in bytes):
-- parameters, counted on the meta device: weights and gradients in float32 (4 + 4 bytes each) and the optimizer's
-  two moments (8 bytes for AdamW and StableAdamW, 2 for 8-bit AdamW); FSDP2 shards all three over the ranks,
-  except the gradients under trainer.accum_steps > 1, which FSDP2 accumulates whole until the step's one reduction;
+- parameters, counted on the meta device: weights and gradients in float32 (4 + 4 bytes each, + 4 for the weights'
+  EMA with trainer.ema_decay set) and the optimizer's two moments (8 bytes for AdamW and StableAdamW, 2 for 8-bit
+  AdamW); FSDP2 shards all three over the ranks, except the gradients under trainer.accum_steps > 1, which FSDP2
+  accumulates whole until the step's one reduction;
 - activations kept for the backward, per sample and per transformer block of width d over n tokens: about
   (10 + 2·mlp_ratio)·d·n values without checkpointing (the norms' inputs and outputs, q, k, v, the attention output,
   the residuals, the MLP's hidden and GELU outputs; fused attention keeps no n×n scores), d·n for a block whose
@@ -40,7 +41,7 @@ OPTIMIZER_BYTES = {"adamw": 8, "stable_adamw": 8, "adamw8bit": 2}  # per paramet
 @dataclass
 class MemoryEstimate:
     parameters: int  # the model's parameter count
-    weights_bytes: float  # weights and gradients, this rank's share
+    weights_bytes: float  # weights and gradients (and the weights' EMA), this rank's share
     optimizer_bytes: float  # the optimizer's moments, this rank's share
     activation_bytes_per_sample: float
     samples: int  # this rank's share of the global batch (of one micro-batch with trainer.accum_steps)
@@ -95,7 +96,9 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     samples = cfg.data.batch_size // world_size // cfg.trainer.accum_steps
     samples *= cfg.trainer.sp_size if cfg.data.frames else 1
     return MemoryEstimate(
-        parameters=parameters, weights_bytes=4 * parameters / shards + 4 * parameters / gradient_shards,
+        parameters=parameters,
+        weights_bytes=((4 if cfg.trainer.ema_decay is None else 8) * parameters / shards
+                       + 4 * parameters / gradient_shards),
         optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * parameters / shards,
         activation_bytes_per_sample=values * value_bytes + input_bytes,
         samples=samples,

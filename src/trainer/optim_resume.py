@@ -3,9 +3,12 @@
 After a stop on non-finite steps the advice is to resume with a lower `optim.lr` or with `optim=stable_adamw`
 (docs/reliability.md, 5), so neither change may be ignored:
 
-- The learning-rate schedule (`optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`, `trainer.max_steps`)
-  follows the configuration. The checkpoint gives the scheduler only its position: from the resumed step on, the
-  learning rate is the new schedule's at that step.
+- The learning-rate schedule (`optim.lr`, `optim.schedule`, `optim.warmup_steps`, `optim.cooldown_steps`,
+  `optim.cooldown_shape`, `optim.min_lr_ratio`, `trainer.max_steps`) follows the configuration. The checkpoint
+  gives the scheduler only its position: from the resumed step on, the learning rate is the new schedule's at that
+  step. A larger `trainer.max_steps` extends a run: `constant` keeps its lr, `const_cooldown` moves its cooldown to
+  the new end, and `cosine` is stretched over the new length, so its lr jumps to the new curve's (the log line
+  says which).
 - The optimizer itself (`optim.name`, the class `precision.scaler` picks, and every value its parameter groups
   hold: betas, eps, weight_decay, StableAdamW's clip_threshold): if any of it differs, the weights are loaded
   and the optimizer starts with fresh moments (step count 0). Moments made by another optimizer, or averaged
@@ -98,7 +101,9 @@ class ResumedSchedule:
     def __init__(self, scheduler: LambdaLR, cfg: TrainConfig):
         self.scheduler = scheduler
         self.settings = {"optim.warmup_steps": cfg.optim.warmup_steps, "optim.min_lr_ratio": cfg.optim.min_lr_ratio,
-                         "trainer.max_steps": cfg.trainer.max_steps}
+                         "trainer.max_steps": cfg.trainer.max_steps, "optim.schedule": str(cfg.optim.schedule),
+                         "optim.cooldown_steps": cfg.optim.cooldown_steps,
+                         "optim.cooldown_shape": str(cfg.optim.cooldown_shape)}
         self.changes: list[Change] = []
 
     def state_dict(self) -> dict:
@@ -119,11 +124,31 @@ class ResumedSchedule:
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
+def length_note(schedule: ResumedSchedule, step: int) -> str:
+    """What a changed `trainer.max_steps` does to this schedule from the resumed `step`."""
+    changed = {c.key: c for c in schedule.changes}
+    if "trainer.max_steps" not in changed:
+        return ""
+    kind, old_steps = schedule.settings["optim.schedule"], changed["trainer.max_steps"].saved
+    if kind == "cosine":
+        return " (the cosine is re-stretched over the new trainer.max_steps: the lr moves to the new curve's)"
+    if kind == "const_cooldown":
+        old_cooldown = changed["optim.cooldown_steps"].saved if "optim.cooldown_steps" in changed \
+            else schedule.settings["optim.cooldown_steps"]
+        into = step - (old_steps - old_cooldown)
+        if into > 0:
+            return (f" (the cooldown moves to the new end; the checkpoint was already {into} steps into the old "
+                    "cooldown, so the lr goes back up to the constant value)")
+        return " (the cooldown moves to the new end)"
+    return " (the constant lr goes on)"
+
+
 def resume_summary(optimizer: ResumedOptimizer, schedule: ResumedSchedule, step: int) -> str | None:
     """One line naming every setting that differs from the checkpoint's and what the run does about it."""
     parts = []
     if schedule.changes:
-        parts.append(", ".join(map(str, schedule.changes)) + f": the schedule follows them from step {step}")
+        parts.append(", ".join(map(str, schedule.changes)) + f": the schedule follows them from step {step}"
+                     + length_note(schedule, step))
     if optimizer.changes:
         parts.append(", ".join(map(str, optimizer.changes)) + ": weights loaded, the optimizer starts with fresh "
                      "moments (the checkpoint's belong to another optimizer)")

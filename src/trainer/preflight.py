@@ -79,6 +79,12 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.num_workers", lambda v: v is None or v >= 0, "0 or more (or null)"),
     ("data.shuffle_buffer", lambda v: v >= 1, "at least 1"),
     ("data.crop_scale_min", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("data.image_mean", lambda v: len(v) == 3 and all(FINITE(m) for m in v), "three finite numbers (R, G, B)"),
+    ("data.image_std", lambda v: len(v) == 3 and all(FINITE(s) and s > 0 for s in v),
+     "three finite numbers above 0 (R, G, B)"),
+    ("data.color_jitter", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    ("data.color_jitter_prob", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("data.grayscale_prob", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("data.frames", lambda v: v >= 0, "0 (images) or more"),
     ("data.generate_train_samples", lambda v: v >= 0, "0 or more"),
     ("data.generate_eval_samples", lambda v: v >= 0, "0 or more"),
@@ -90,6 +96,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.weight_decay", lambda v: FINITE(v) and v >= 0, "a finite number, 0 or more"),
     ("optim.clip_threshold", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("optim.warmup_steps", lambda v: v >= 0, "0 or more"),
+    ("optim.cooldown_steps", lambda v: v >= 0, "0 or more"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.grad_clip_norm", lambda v: v is None or (FINITE(v) and v > 0), "a finite number above 0 (or null)"),
     ("precision.fixed_scale", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
@@ -113,6 +120,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("trainer.preempt_deadline_s", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("trainer.max_nonfinite_steps", lambda v: v is None or v >= 0, "0 or more (or null)"),
     ("trainer.accum_steps", lambda v: v >= 1, "at least 1 (1: no accumulation)"),
+    ("trainer.ema_decay", lambda v: v is None or 0 < v < 1, "in (0, 1), e.g. 0.9999 (or null: no EMA)"),
 )
 # (keys, holds for valid values, the rule in words): ranges that depend on another key.
 RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
@@ -128,6 +136,10 @@ RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
     (("loss.name", "data.frames"), lambda loss, frames: loss == "clip" or frames == 0,
      "video fine-tuning (data.frames > 0) trains with its own softmax losses (src/trainer/video_trainer.py): "
      "use loss=clip"),
+    (("optim.schedule", "optim.cooldown_steps", "optim.warmup_steps", "trainer.max_steps"),
+     lambda schedule, cooldown, warmup, steps: schedule != "const_cooldown" or 1 <= cooldown <= steps - warmup,
+     "optim.schedule=const_cooldown needs optim.cooldown_steps from 1 to trainer.max_steps - optim.warmup_steps "
+     "(the cooldown follows the warmup; about 20% of trainer.max_steps is usual)"),
 )
 
 

@@ -4,6 +4,9 @@ Saving and resuming walk the same `TrainState`, so a part added to a run is save
 once. The layout on disk (src/trainer/checkpoint.py) is fixed by the checkpoints already written:
 
 - `model.pt`: the model's state dict, the whole file;
+- one more whole file per entry of `files`, written by rank 0 when the run has that part: `ema.pt` (the weights'
+  EMA, in model.pt's layout, src/trainer/ema.py). Optional: a checkpoint without one resumes, the part then
+  starting afresh;
 - `train_state.pt` (rank 0): one key per shared part (`optimizer`, `scheduler`, `scaler`, `spikes`), and the run's
   progress counters (`step`, `world_size`, `nonfinite_streak`, `eval_pending`) at the top level;
 - `rank_R.pt` (every rank): one key per per-rank part (`rng`, `data`).
@@ -77,27 +80,38 @@ class RNGState:
 class TrainState:
     """name -> stateful part. `model` is model.pt whole; `progress` is spread over train_state.pt's top level;
     `shared` are train_state.pt's other keys (rank 0 writes them); `per_rank` are the keys of every rank's own
-    file. Parts are saved and loaded in this order (model before optimizer: loading FSDP2's optimizer state needs
-    the parameters' shards in place)."""
+    file; `files` are optional whole files beside model.pt (ema.pt). Parts are saved and loaded in this order (model
+    before optimizer: loading FSDP2's optimizer state needs the parameters' shards in place), except that `files`
+    load before the model (see `load`)."""
 
     model: Stateful
     progress: Progress
     shared: dict[str, Stateful] = field(default_factory=dict)
     per_rank: dict[str, Stateful] = field(default_factory=dict)
+    files: dict[str, Stateful] = field(default_factory=dict)
 
     def shared_files(self) -> dict[str, dict[str, Any]]:
         """File stem -> contents, for rank 0 to write. Collective under FSDP2 (the model and optimizer are
         gathered): every rank calls it, and under FSDP2 ranks other than 0 get empty states."""
         model = self.model.state_dict()
+        files = {stem: part.state_dict() for stem, part in self.files.items()}
         shared = {name: part.state_dict() for name, part in self.shared.items()}
-        return {MODEL_FILE: model, SHARED_FILE: {**shared, **self.progress.state_dict()}}
+        return {MODEL_FILE: model, **files, SHARED_FILE: {**shared, **self.progress.state_dict()}}
 
     def rank_file(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self.per_rank.items()}
 
-    def load(self, read: Callable[[str], dict[str, Any]], rank_file: str) -> None:
-        """Restore every part; `read(stem)` gives a file's contents, `rank_file` is this rank's file stem. One file
-        at a time, so the host holds one of them, not all (a large model's optimizer state is twice its size)."""
+    def load(self, read: Callable[[str], dict[str, Any]], rank_file: str, holds: Callable[[str], bool]) -> list[str]:
+        """Restore every part; `read(stem)` gives a file's contents, `rank_file` is this rank's file stem, `holds(stem)`
+        whether the checkpoint has that file. One file at a time, so the host holds one of them, not all (a large
+        model's optimizer state is twice its size). Returns the stems of `files` the checkpoint lacks: those parts
+        were not restored."""
+        # The optional files first: loading the EMA writes through the model's tensors (swapped in), so the model's
+        # own file must come after it.
+        missing = [stem for stem in self.files if not holds(stem)]
+        for stem, part in self.files.items():
+            if stem not in missing:
+                part.load_state_dict(read(stem))
         self.model.load_state_dict(read(MODEL_FILE))
         shared = read(SHARED_FILE)
         for name, part in self.shared.items():
@@ -107,3 +121,4 @@ class TrainState:
         mine = read(rank_file)
         for name, part in self.per_rank.items():
             part.load_state_dict(mine[name])
+        return missing

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config import TrainConfig
-from src.data.image_text import ImageNormalizer
+from src.data.image_text import ImageNormalizer, Preprocess
 from src.data.loader import TrainLoader
 from src.kernels.dispatch import apply_kernels
 from src.models import clip
@@ -34,6 +34,7 @@ from src.parallel.distributed import DistInfo, all_reduce_mean, barrier
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
+from src.trainer.ema import EMA_FILE, ModelEMA
 from src.trainer.evaluate import evaluate
 from src.trainer.grad_cache import Features, FeaturesFn, FeaturesLoss, accumulate_gradients
 from src.trainer.loss import contrastive_loss
@@ -115,8 +116,8 @@ def build_model(cfg: TrainConfig, architecture: Callable[[], nn.Module]) -> nn.M
 
 
 def image_normalizer(cfg: TrainConfig, device: torch.device) -> ImageNormalizer:
-    return ImageNormalizer(device, dtype=autocast_dtype(cfg.precision.dtype) or torch.float32,
-                           compile=cfg.trainer.compile)
+    return ImageNormalizer(device, mean=cfg.data.image_mean, std=cfg.data.image_std,
+                           dtype=autocast_dtype(cfg.precision.dtype) or torch.float32, compile=cfg.trainer.compile)
 
 
 def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | None = None) -> TrainParts:
@@ -165,6 +166,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
                 image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
                 num_workers=cfg.data.num_workers, device=device, prepare_images=normalize, autocast=autocast,
                 zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
+                preprocess=Preprocess.from_config(cfg.data),
             )
         return results if dist_info.is_main else None
 
@@ -200,9 +202,9 @@ class Trainer:
         self.graphed = None
         if cfg.trainer.cuda_graph:
             self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device)
-        self.scheduler = build_scheduler(
-            self.optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio
-        )
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
+        # After FSDP2's sharding: each rank then averages its own shards.
+        self.ema = ModelEMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
         self.patch_embed = dict(self.model.named_parameters())[self.parts.patch_embed]
         self.spikes = SpikeDetector(cfg.spikes)
         self.progress = Progress(world_size=dist_info.world_size)
@@ -214,6 +216,7 @@ class Trainer:
             shared={"optimizer": self.resumed_optimizer, "scheduler": self.resumed_schedule,
                     "scaler": self.scaler, "spikes": self.spikes},
             per_rank={"data": self.loader, "rng": RNGState()},
+            files={EMA_FILE: self.ema} if self.ema is not None else {},
         )
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         self.resumed_from: str | None = None  # the checkpoint directory this run resumed from
@@ -282,6 +285,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.model.clamp_logit_scale()
+        if self.ema is not None:
+            self.ema.update()
         return values
 
     def rms_metrics(self, num_tensors: int, found_inf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -414,6 +419,12 @@ class Trainer:
     def run_eval(self) -> None:
         """The parts' evaluation, logged by rank 0; every rank waits for it."""
         results = self.parts.evaluate(self.model, self.autocast)
+        if self.ema is not None:
+            # The same evaluation of the averaged weights, swapped into the model on every rank.
+            with self.ema.swapped() as averaged:
+                ema_results = self.parts.evaluate(averaged, self.autocast)
+            if results is not None and ema_results is not None:
+                results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
         if results is not None:
             self.log_eval(results)
         barrier()
@@ -437,9 +448,14 @@ class Trainer:
         if path is None:
             log.info("trainer.resume=latest: no checkpoint in %s yet, starting from step 0", self.checkpoints)
             return
-        checkpoint.load_train_state(path, self.state, rank=self.dist.rank)
+        missing = checkpoint.load_train_state(path, self.state, rank=self.dist.rank)
         self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.progress.step)
+        if EMA_FILE in missing:
+            self.ema.reset()
+            if self.dist.is_main:
+                log.warning("%s has no EMA of the weights (its run had trainer.ema_decay=null): the EMA starts "
+                            "from the resumed weights", path)
         changed = resume_summary(self.resumed_optimizer, self.resumed_schedule, self.progress.step)
         if changed and self.dist.is_main:
             log.warning(changed)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from src.data.image_text import Preprocess
 from src.data.loader import eval_batches
 from src.models.video_clip import VideoCLIP
 from src.parallel.distributed import all_gather_columns
@@ -30,7 +31,7 @@ def retrieval_metrics(similarity: torch.Tensor, prefix: str) -> dict[str, float]
 def evaluate_video(
     model: VideoCLIP, eval_pattern: str, *, frames: slice, total_frames: int, batch_size: int, image_size: int,
     context_length: int, num_workers: int, device: torch.device, prepare_images: Callable[[torch.Tensor], torch.Tensor],
-    autocast, group: dist.ProcessGroup | None = None,
+    autocast, group: dist.ProcessGroup | None = None, preprocess: Preprocess,
 ) -> dict[str, float]:
     """Every rank of `group` (a sequence-parallel group) calls this with its share `frames` of each clip's
     frames; all get the results. Clips are scored against every held-out caption: by the model's head
@@ -40,7 +41,8 @@ def evaluate_video(
     model.eval()
     visual, videos, queries, weights, texts = [], [], [], [], []
     for batch in eval_batches(eval_pattern, batch_size=batch_size, image_size=image_size,
-                              context_length=context_length, num_workers=num_workers, frames=total_frames):
+                              context_length=context_length, num_workers=num_workers, frames=total_frames,
+                              preprocess=preprocess):
         with autocast():
             clip_tokens, video = model.encode_video(
                 prepare_images(batch["images"][:, frames].to(device)), frames.start, group)

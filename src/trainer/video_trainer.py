@@ -19,6 +19,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from src.config import TrainConfig, VideoConfig
+from src.data.image_text import Preprocess
 from src.data.loader import TrainLoader
 from src.models.video_clip import VideoCLIP, VideoTextOutput, build_video_model
 from src.parallel.distributed import DistInfo, all_gather_with_grad
@@ -95,6 +96,7 @@ def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
             batch_size=cfg.trainer.eval.batch_size, image_size=cfg.model.vision.image_size,
             context_length=cfg.model.text.context_length, num_workers=cfg.data.num_workers, device=device,
             prepare_images=normalize, autocast=autocast, group=mesh.sp_group,
+            preprocess=Preprocess.from_config(cfg.data),
         )
         return results if dist_info.is_main else None
 
