@@ -150,6 +150,8 @@ class VisionConfig:
     heads: int
     mlp_ratio: float
     patch_dropout: float
+    lock: bool
+    unlocked_blocks: int
 
 
 @dataclass
@@ -160,6 +162,8 @@ class TextConfig:
     layers: int
     heads: int
     mlp_ratio: float
+    lock: bool
+    unlocked_blocks: int
 
 
 @dataclass
@@ -245,6 +249,7 @@ class OptimConfig:
     warmup_steps: int
     min_lr_ratio: float
     grad_clip_norm: float | None
+    layer_decay: float
 
 
 @dataclass
