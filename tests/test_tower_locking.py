@@ -222,3 +222,32 @@ def ddp_worker(rank: int, port: int) -> None:
 
 def test_two_ddp_ranks_train_with_a_locked_image_tower():
     mp.spawn(ddp_worker, args=(29561,), nprocs=2)
+
+
+def test_locked_towers_run_compiled_blocks_within_the_recompile_limit(monkeypatch):
+    """trainer.compile with a locked image tower (its blocks called under no_grad) and a partly locked text tower:
+    every block call stays compiled (Dynamo's eager backend: its graphs and guards are what count) and the
+    gradients are eager's."""
+    from src.kernels.dispatch import apply_kernels
+    from src.parallel.parallelize import apply_compile
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
+    cfg = compose_config(["model=vit_tiny", "model.vision.lock=true", "model.text.lock=true",
+                          "model.text.unlocked_blocks=1"]).model
+    torch.manual_seed(0)
+    eager, compiled = apply_kernels(build_model(cfg), cfg), apply_kernels(build_model(cfg), cfg)
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    apply_compile(compiled)
+    images, tokens = torch.randn(4, 3, 32, 32), torch.randint(1, 1000, (4, 16))
+    tokens[:, 9] = 49407
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.autocast("cpu", torch.bfloat16):
+        for model in (eager, compiled):
+            image_features, text_features, scale = model(images, tokens)
+            assert not image_features.requires_grad
+            (scale * image_features @ text_features.T).float().sum().backward()
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+        assert (a.grad is None) == (b.grad is None) == (not a.requires_grad), name
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
