@@ -162,6 +162,20 @@ def test_layer_decay_scales_each_group_by_its_depth_and_the_schedule_keeps_the_s
         "ln_final.bias", "text_projection"}
 
 
+def test_the_memory_estimate_leaves_out_a_locked_towers_gradients_moments_and_activations():
+    from src.trainer.memory import estimate_memory
+
+    plain = estimate_memory(compose_config(["model=vit_tiny"]), 1)
+    lit = estimate_memory(compose_config(["model=vit_tiny", "model.vision.lock=true"]), 1)
+    model = build_model(compose_config(["model=vit_tiny"]).model, "meta")
+    visual = sum(p.numel() for p in model.visual.parameters())
+    assert plain.optimizer_bytes - lit.optimizer_bytes == 8 * visual  # AdamW's two float32 moments
+    assert plain.weights_bytes - lit.weights_bytes == 4 * visual  # no gradients; the weights stay
+    assert lit.activation_bytes_per_sample < plain.activation_bytes_per_sample
+    both = estimate_memory(compose_config(["model=vit_tiny", "model.vision.lock=true", "model.text.lock=true"]), 1)
+    assert both.activation_bytes_per_sample == 3 * 32 * 32 * 4  # the input images alone
+
+
 def test_preflight_names_the_lock_keys_and_the_towers_depth(tmp_path):
     from src.trainer.preflight import preflight
 

@@ -13,6 +13,8 @@ The estimate (per rank, in bytes):
   bf16/fp16 autocast, 4 in fp32. The image tower sees each sample's frames (data.frames, split over trainer.sp_size
   ranks) with patch dropout's share of tokens dropped, the text tower its context length. The input images add
   4 bytes per pixel and channel.
+- a locked tower (model.vision.lock, model.text.lock) has weights but no gradients, no optimizer state and no
+  activations, except in its unlocked blocks and head.
 It leaves out what does not grow with the model or the batch (the loader's workers, CUDA's context, the allocator's
 slack), so it is a lower bound of the real peak: a run is refused only when it exceeds the machine by REFUSE_ABOVE.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,20 +74,25 @@ def tower_values(tower: VisionConfig | TextConfig, tokens: float, policy: str, e
 
 def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     model = cfg.model
-    parameters = count_parameters(build_model(model, "meta"))["total"]
+    meta = build_model(model, "meta")
+    parameters = count_parameters(meta)["total"]
+    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     shards = world_size if cfg.trainer.data_parallel == "fsdp2" else 1
     policy = "full" if model.grad_checkpointing and model.checkpoint_policy == "none" else str(model.checkpoint_policy)
     vision = model.vision
     frames = max(1, cfg.data.frames) / (cfg.trainer.sp_size if cfg.data.frames else 1)
     patches = (vision.image_size // vision.patch_size) ** 2
     image_tokens = frames * (1 + patches * (1 - vision.patch_dropout))
-    values = (tower_values(vision, image_tokens, policy, model.checkpoint_every)
-              + tower_values(model.text, model.text.context_length, policy, model.checkpoint_every))
+    # A locked tower keeps activations in its unlocked blocks alone.
+    vision_trained, text_trained = (replace(tower, layers=tower.unlocked_blocks) if tower.lock else tower
+                                    for tower in (vision, model.text))
+    values = (tower_values(vision_trained, image_tokens, policy, model.checkpoint_every)
+              + tower_values(text_trained, model.text.context_length, policy, model.checkpoint_every))
     value_bytes = 4 if cfg.precision.dtype == "fp32" else 2
     input_bytes = frames * 3 * vision.image_size**2 * 4
     return MemoryEstimate(
-        parameters=parameters, weights_bytes=8 * parameters / shards,
-        optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * parameters / shards,
+        parameters=parameters, weights_bytes=(4 * parameters + 4 * trained) / shards,
+        optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * trained / shards,
         activation_bytes_per_sample=values * value_bytes + input_bytes,
         samples=cfg.data.batch_size // world_size * (cfg.trainer.sp_size if cfg.data.frames else 1),
     )
