@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from src.compose import compose_config
-from src.models.clip import build_model
+from src.models.clip import build_model, count_parameters
 from src.models.locking import layer_depths
 from src.optim import build_optimizer, build_scheduler
 from src.optim.schedule import warmup_cosine
@@ -117,6 +117,8 @@ def test_a_locked_tower_records_no_autograd_graph():
     cfg.vision.lock = cfg.text.lock = True
     locked = build_model(cfg)
     assert locked.visual.locked and locked.text_locked
+    assert count_parameters(locked)["trainable"] == 1 and count_parameters(unlocked)["trainable"] == sum(
+        p.numel() for p in unlocked.parameters())  # the logit scale alone trains
     image_features, text_features, scale = locked(images, tokens)
     assert not image_features.requires_grad and not text_features.requires_grad and scale.requires_grad
     assert saved_tensors(lambda: locked.encode_image(images)) == 0

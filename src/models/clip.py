@@ -115,7 +115,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
 
 
 def count_parameters(model: CLIP) -> dict[str, int]:
-    """Parameter counts per tower; works on meta-device models."""
+    """Parameter counts per tower, in all and those trained (not locked); works on meta-device models."""
     visual = sum(p.numel() for p in model.visual.parameters())
     total = sum(p.numel() for p in model.parameters())
-    return {"visual": visual, "text": total - visual - model.logit_scale.numel(), "total": total}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"visual": visual, "text": total - visual - model.logit_scale.numel(), "total": total,
+            "trainable": trainable}

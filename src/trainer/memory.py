@@ -74,9 +74,8 @@ def tower_values(tower: VisionConfig | TextConfig, tokens: float, policy: str, e
 
 def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     model = cfg.model
-    meta = build_model(model, "meta")
-    parameters = count_parameters(meta)["total"]
-    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    counts = count_parameters(build_model(model, "meta"))
+    parameters, trained = counts["total"], counts["trainable"]
     shards = world_size if cfg.trainer.data_parallel == "fsdp2" else 1
     policy = "full" if model.grad_checkpointing and model.checkpoint_policy == "none" else str(model.checkpoint_policy)
     vision = model.vision
