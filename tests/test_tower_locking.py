@@ -159,6 +159,7 @@ def test_layer_decay_scales_each_group_by_its_depth_and_the_schedule_keeps_the_s
         for group in optimizer.param_groups:
             for p in group["params"]:
                 assert group["lr"] == pytest.approx(1e-3 * 0.5 ** depth(names[p]) * factor, rel=1e-12), names[p]
+    assert optimizer.param_groups[-1]["lr_scale"] == 1.0  # what train/lr logs
     assert {names[p] for g in optimizer.param_groups if g["lr_scale"] == 1.0 for p in g["params"]} == {
         "logit_scale", "visual.ln_post.weight", "visual.ln_post.bias", "visual.proj", "ln_final.weight",
         "ln_final.bias", "text_projection"}

@@ -21,8 +21,8 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float, layer_decay: 
     `lr_scale`, where lr_scale = layer_decay ** depth and `depths` gives each parameter name its depth from its
     tower's top, src/models/locking.py's layer_depths). The schedule (LambdaLR) multiplies each group's own lr,
     so every group follows the same schedule at its scale. Groups run from the deepest (smallest scale) to the
-    top, decayed before not decayed; with layer_decay = 1 they are the two weight-decay groups, in the order
-    checkpoints from before layer decay saved them."""
+    top, decayed before not decayed, so the last is at scale 1 (it holds the logit scale); with layer_decay = 1
+    they are the two weight-decay groups, in the order checkpoints from before layer decay saved them."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     depth = (lambda name: depths[name]) if depths is not None and layer_decay != 1.0 else (lambda name: 0)
     groups: dict[tuple[int, bool], list[nn.Parameter]] = {}

@@ -292,7 +292,8 @@ class Trainer:
             self.progress.eval_pending = False
         while self.progress.step < end:
             batch = next(self.loader)
-            lr = self.scheduler.get_last_lr()[0]
+            # train/lr is optim.lr's schedule: the last parameter group is at depth 0, unscaled by layer decay.
+            lr = self.scheduler.get_last_lr()[-1]
             pending.append((self.progress.step, lr, self.train_step(batch)))
             self.progress.step += 1
             window_steps += 1
