@@ -194,9 +194,12 @@ def test_preflight_names_the_lock_keys_and_the_towers_depth(tmp_path):
     assert ("model.vision.unlocked_blocks=4, model.vision.layers=3: model.vision.unlocked_blocks must not exceed "
             "the image tower's depth") in message
     assert "model.text.lock=False, model.text.unlocked_blocks=1" in message and "set model.text.lock=true" in message
-    video = compose_config(["experiment=video_finetune", "model.vision.lock=true"])
-    with pytest.raises(ValueError, match="leave model.vision.lock=false"):
+    video = compose_config(["experiment=video_finetune", "model.vision.lock=true",
+                            "model.video.vision_trainable_blocks=4"])
+    with pytest.raises(ValueError) as err:
         preflight(video, CPU, str(tmp_path))
+    assert "leave model.vision.lock=false" in str(err.value)
+    assert "model.video.vision_trainable_blocks=4, model.vision.layers=3" in str(err.value)
 
 
 def test_a_resume_with_another_lock_or_layer_decay_names_it_and_starts_fresh_moments(shapes, tmp_path):
