@@ -1,7 +1,8 @@
 """Locking towers (model.vision.lock, model.text.lock, unlocked_blocks) and layer decay (optim.layer_decay):
 frozen weights stay bit-identical, the optimizer holds state for trained parameters only, a locked tower keeps no
-autograd graph, every parameter group's learning rate is lr x layer_decay^depth x the schedule, a resume with
-other locks says so, and two DDP ranks train with a locked tower."""
+autograd graph (also in compiled blocks), every parameter group's learning rate is lr x layer_decay^depth x the
+schedule, the memory estimate and preflight know the locks, a resume with other locks says so, and two DDP ranks
+train with a locked tower."""
 
 import os
 from typing import TYPE_CHECKING
