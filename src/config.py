@@ -181,6 +181,8 @@ class VisionConfig:
     heads: int
     mlp_ratio: float
     patch_dropout: float
+    lock: bool
+    unlocked_blocks: int
 
 
 @dataclass
@@ -191,6 +193,8 @@ class TextConfig:
     layers: int
     heads: int
     mlp_ratio: float
+    lock: bool
+    unlocked_blocks: int
 
 
 @dataclass
@@ -287,6 +291,7 @@ class OptimConfig:
     cooldown_shape: CooldownShape
     min_lr_ratio: float
     grad_clip_norm: float | None
+    layer_decay: float
 
 
 @dataclass

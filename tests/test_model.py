@@ -10,7 +10,7 @@ from src.config import ModelConfig
 from src.kernels.dispatch import build_model_with_kernels
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
 from src.models.transformer import Attention, Block, LayerScale
-from src.optim.param_groups import param_groups_for_weight_decay
+from src.optim.param_groups import param_groups
 from tests.conftest import compose_config
 
 
@@ -52,7 +52,7 @@ def test_layer_scale_init_value_is_configurable_and_can_be_off():
 
 def test_gamma_and_embeddings_get_no_weight_decay():
     model = build_model(tiny_config())
-    decayed, plain = param_groups_for_weight_decay(model, 0.2)
+    decayed, plain = param_groups(model, 0.2, lr=1e-3)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed_names = {names[id(p)] for p in decayed["params"]}
     plain_names = {names[id(p)] for p in plain["params"]}

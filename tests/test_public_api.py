@@ -10,7 +10,7 @@ import textwrap
 
 PUBLIC = {
     "src.optim": ["StableAdamW", "build_optimizer", "build_scaler", "build_scheduler", "optimizer_step",
-                  "param_groups_for_weight_decay"],
+                  "param_groups"],
     "src.data": ["TrainLoader", "eval_batches"],
     "src.tools": ["inspect_shards", "make_shards", "make_synthetic_shapes", "make_synthetic_video_shards",
                   "make_synthetic_videos", "pack_videos"],

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from src.config import OptimConfig
-from src.optim import build_optimizer, param_groups_for_weight_decay
+from src.optim import build_optimizer, param_groups
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
 from src.optim.scalers import DynamicScaler, FixedScaler, build_scaler
@@ -56,7 +56,7 @@ def test_fixed_scaler_skips_only_the_tensor_with_an_inf(optim):
 def test_fixed_scaler_adamw_mode_equals_torch_adamw():
     ours, theirs = two_layer_model(), two_layer_model()
     a = build_optimizer(optim_config("adamw", lr=1e-2, weight_decay=0.1), ours, per_tensor_skips=True)
-    b = torch.optim.AdamW(param_groups_for_weight_decay(theirs, 0.1), lr=1e-2, betas=(0.9, 0.98), eps=1e-6)
+    b = torch.optim.AdamW(param_groups(theirs, 0.1, lr=1e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6)
     scaler = FixedScaler(1024.0, CPU)
     for _ in range(20):
         x = torch.randn(3, 4)

@@ -7,11 +7,14 @@ OpenCLIP's `CLIP`, so both models share one state-dict layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from src.config import ModelConfig
+from src.models.locking import lock_towers
 from src.models.transformer import Transformer
 from src.models.vision import VisionTransformer
 
@@ -38,6 +41,7 @@ class CLIP(nn.Module):
         self.logit_scale = nn.Parameter(torch.empty(()))
         # OpenCLIP's name and state-dict key; a model without one has no such parameter, as in OpenCLIP.
         self.logit_bias = nn.Parameter(torch.empty(())) if cfg.init_logit_bias is not None else None
+        self.text_locked = False  # the text tower frozen whole (src/models/locking.py): no autograd graph for it
         for tower in (self.visual.transformer, self.transformer):
             tower.prune_last_block = cfg.prune_last_block
 
@@ -68,8 +72,9 @@ class CLIP(nn.Module):
     def text_tokens(self, tokens: torch.Tensor, pooled: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, text width): every token's final hidden state; with `pooled` (a token index per caption)
         only those tokens' (B, text width)."""
-        x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
-        return self.transformer(x, causal=True, final_norm=self.ln_final, pooled=pooled)
+        with torch.no_grad() if self.text_locked else contextlib.nullcontext():
+            x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
+            return self.transformer(x, causal=True, final_norm=self.ln_final, pooled=pooled)
 
     def pool_text(self, x: torch.Tensor, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """The caption embedding from `text_tokens`' output: the end-of-text token's state, projected."""
@@ -102,9 +107,10 @@ def end_of_text(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
-    """The CLIP of `cfg` in plain PyTorch, checkpointed as `model.checkpoint_policy` says: built on the meta device
-    first so a large model never materialises twice, then initialised (left on meta for `device="meta"`).
-    src/kernels/dispatch.py's apply_kernels then picks the kernels it runs."""
+    """The CLIP of `cfg` in plain PyTorch, checkpointed as `model.checkpoint_policy` says and its towers locked as
+    `model.vision.lock` and `model.text.lock` say: built on the meta device first so a large model never
+    materialises twice, then initialised (left on meta for `device="meta"`). src/kernels/dispatch.py's
+    apply_kernels then picks the kernels it runs."""
     with torch.device("meta"):
         model = CLIP(cfg)
     # model.grad_checkpointing=true is the older spelling of checkpoint_policy=full; a policy set explicitly wins.
@@ -113,12 +119,14 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> CLIP:
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         model.init_weights()
+    lock_towers(model, cfg)
     return model
 
 
 def count_parameters(model: CLIP) -> dict[str, int]:
-    """Parameter counts per tower; works on meta-device models."""
+    """Parameter counts per tower, in all and those trained (not locked); works on meta-device models."""
     visual = sum(p.numel() for p in model.visual.parameters())
     total = sum(p.numel() for p in model.parameters())
     logits = sum(p.numel() for p in (model.logit_scale, model.logit_bias) if p is not None)
-    return {"visual": visual, "text": total - visual - logits, "total": total}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"visual": visual, "text": total - visual - logits, "total": total, "trainable": trainable}

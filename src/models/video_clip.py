@@ -38,6 +38,7 @@ from torch.distributed import ProcessGroup
 from src.config import FrameTokens, ModelConfig, TextQueries, VideoConfig, VideoHead
 from src.models.clip import CLIP, build_model, end_of_text
 from src.models.cross_attention import CrossAttentionBlock
+from src.models.locking import image_tower, lock_tower
 from src.models.transformer import LayerScale
 from src.parallel.distributed import all_reduce_with_grad
 from src.parallel.mesh import group_size, share, share_sizes
@@ -215,19 +216,16 @@ class VideoCLIP(nn.Module):
 
 
 def freeze_vision(clip: CLIP, trainable_blocks: int) -> None:
-    """Train only the last `trainable_blocks` blocks of the image tower (with its final norm and projection);
-    -1 trains the whole tower. Frozen layers record no autograd graph, so they cost no activation memory."""
-    blocks = clip.visual.transformer.resblocks
+    """Train only the last `trainable_blocks` blocks of the image tower (with its final norm and projection):
+    src/models/locking.py's lock_tower with that many unlocked blocks; -1 trains the whole tower. Frozen layers
+    record no autograd graph, so they cost no activation memory."""
     if trainable_blocks == -1:
         return
-    if not 0 <= trainable_blocks <= len(blocks):
-        raise ValueError(f"model.video.vision_trainable_blocks={trainable_blocks} must be -1 (all) or 0..{len(blocks)} "
+    layers = len(clip.visual.transformer.resblocks)
+    if not 0 <= trainable_blocks <= layers:
+        raise ValueError(f"model.video.vision_trainable_blocks={trainable_blocks} must be -1 (all) or 0..{layers} "
                          "(the image tower has that many blocks)")
-    clip.visual.requires_grad_(False)
-    if trainable_blocks:
-        for module in (*blocks[len(blocks) - trainable_blocks :], clip.visual.ln_post):
-            module.requires_grad_(True)
-        clip.visual.proj.requires_grad_(True)
+    clip.visual.locked = lock_tower(image_tower(clip), trainable_blocks)
 
 
 def build_video_model(cfg: ModelConfig, frames: int, device: torch.device | str = "cpu") -> VideoCLIP:

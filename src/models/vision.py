@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,6 +51,7 @@ class VisionTransformer(nn.Module):
         self.transformer = Transformer(width, layers, heads, mlp_ratio, ls_init_value, quick_gelu)
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Parameter(torch.empty(width, output_dim))
+        self.locked = False  # frozen whole (src/models/locking.py): the forward records no autograd graph
 
     def init_weights(self) -> None:
         scale = self.width ** -0.5
@@ -74,6 +77,10 @@ class VisionTransformer(nn.Module):
     def tokens(self, images: torch.Tensor, class_only: bool = False) -> torch.Tensor:
         """(B, 1 + patches, width): the class token then the patch tokens, after the final norm; with
         `class_only` the class token's alone (B, width), for less work (Transformer.forward's `pooled`)."""
+        with torch.no_grad() if self.locked else contextlib.nullcontext():
+            return self._tokens(images, class_only)
+
+    def _tokens(self, images: torch.Tensor, class_only: bool) -> torch.Tensor:
         x = self.embed_patches(images)
         cls_token = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls_token, x], dim=1) + self.positional_embedding.to(x.dtype)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from src.config import OptimConfig, OptimizerName
-from src.optim.param_groups import param_groups_for_weight_decay
+from src.optim.param_groups import param_groups
 from src.optim.stable_adamw import StableAdamW
 
 OPTIMIZERS = OptimizerName.values()
@@ -19,11 +19,17 @@ def check_optimizer_name(name: str) -> None:
         raise ValueError(f"optim.name={name!r} is not a known optimizer: choose one of {', '.join(OPTIMIZERS)}")
 
 
-def build_optimizer(cfg: OptimConfig, model: nn.Module, *, per_tensor_skips: bool = False) -> torch.optim.Optimizer:
-    """`per_tensor_skips` (the fixed fp16 scaler) needs our StableAdamW: with update clipping off
-    (clip_threshold = inf) its update is AdamW's, bias correction and decoupled decay included."""
+def build_optimizer(cfg: OptimConfig, model: nn.Module, *, per_tensor_skips: bool = False,
+                    depths: dict[str, int] | None = None) -> torch.optim.Optimizer:
+    """The optimizer of the model's trainable parameters. `per_tensor_skips` (the fixed fp16 scaler) needs our
+    StableAdamW: with update clipping off (clip_threshold = inf) its update is AdamW's, bias correction and
+    decoupled decay included. `depths`: each parameter's depth from its tower's top, which `optim.layer_decay`
+    scales its lr by (src/models/locking.py's layer_depths); needed when layer_decay < 1."""
     check_optimizer_name(cfg.name)
-    groups = param_groups_for_weight_decay(model, cfg.weight_decay)
+    if cfg.layer_decay != 1.0 and depths is None:
+        raise ValueError(f"optim.layer_decay={cfg.layer_decay} needs each parameter's depth: pass depths "
+                         "(src.models.locking.layer_depths(model))")
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.layer_decay, depths)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
         if per_tensor_skips:

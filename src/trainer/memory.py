@@ -16,7 +16,9 @@ The estimate (per rank, in bytes):
   ranks) with patch dropout's share of tokens dropped, the text tower its context length. The input images add
   4 bytes per pixel and channel;
 - with checkpointing, the backward of a checkpointed block holds that block's activations, recomputed, and their
-  gradients at once: twice the uncheckpointed values of the tower's largest block, per sample.
+  gradients at once: twice the uncheckpointed values of the tower's largest block, per sample;
+- a locked tower (model.vision.lock, model.text.lock) has weights but no gradients, no optimizer state and no
+  activations, except in its unlocked blocks and head.
 It leaves out what does not grow with the model or the batch (the loader's workers, CUDA's context). Against the
 peak measured on a GPU it came within 0.91-1.11x, over ViT-B/32 to ViT-H/14, each checkpointing policy, bf16 and
 fp32 (docs/BENCHMARKS.md, "Memory estimate"), so a run is refused only when it exceeds the machine by REFUSE_ABOVE.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -77,7 +79,8 @@ def tower_values(tower: VisionConfig | TextConfig, tokens: float, policy: str, e
 
 def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     model = cfg.model
-    parameters = count_parameters(build_model(model, "meta"))["total"]
+    counts = count_parameters(build_model(model, "meta"))
+    parameters, trained = counts["total"], counts["trainable"]
     shards = world_size if cfg.trainer.data_parallel == "fsdp2" else 1
     gradient_shards = shards if cfg.trainer.accum_steps == 1 else 1
     policy = "full" if model.grad_checkpointing and model.checkpoint_policy == "none" else str(model.checkpoint_policy)
@@ -85,11 +88,15 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     frames = max(1, cfg.data.frames) / (cfg.trainer.sp_size if cfg.data.frames else 1)
     patches = (vision.image_size // vision.patch_size) ** 2
     image_tokens = frames * (1 + patches * (1 - vision.patch_dropout))
-    values = (tower_values(vision, image_tokens, policy, model.checkpoint_every)
-              + tower_values(model.text, model.text.context_length, policy, model.checkpoint_every))
+    # A locked tower keeps activations in its unlocked blocks alone.
+    vision_trained, text_trained = (replace(tower, layers=tower.unlocked_blocks) if tower.lock else tower
+                                    for tower in (vision, model.text))
+    values = (tower_values(vision_trained, image_tokens, policy, model.checkpoint_every)
+              + tower_values(text_trained, model.text.context_length, policy, model.checkpoint_every))
     if policy != "none":
-        values += 2 * max(tower_values(tower, tokens, "none", 1) / tower.layers
-                          for tower, tokens in ((vision, image_tokens), (model.text, model.text.context_length)))
+        trained_towers = ((vision_trained, image_tokens), (text_trained, model.text.context_length))
+        values += 2 * max((tower_values(tower, tokens, "none", 1) / tower.layers
+                           for tower, tokens in trained_towers if tower.layers), default=0)
     value_bytes = 4 if cfg.precision.dtype == "fp32" else 2
     input_bytes = frames * 3 * vision.image_size**2 * 4
     # Accumulation keeps one micro-batch's activations at a time (src/trainer/grad_cache.py).
@@ -97,9 +104,9 @@ def estimate_memory(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
     samples *= cfg.trainer.sp_size if cfg.data.frames else 1
     return MemoryEstimate(
         parameters=parameters,
-        weights_bytes=((4 if cfg.trainer.ema_decay is None else 8) * parameters / shards
-                       + 4 * parameters / gradient_shards),
-        optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * parameters / shards,
+        weights_bytes=((4 * parameters + (0 if cfg.trainer.ema_decay is None else 4) * trained) / shards
+                       + 4 * trained / gradient_shards),
+        optimizer_bytes=OPTIMIZER_BYTES[str(cfg.optim.name)] * trained / shards,
         activation_bytes_per_sample=values * value_bytes + input_bytes,
         samples=samples,
     )

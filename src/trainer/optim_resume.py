@@ -15,6 +15,10 @@ After a stop on non-finite steps the advice is to resume with a lower `optim.lr`
   with other betas, are not this optimizer's state; another class's state dict does not even load (torch's fused
   AdamW's groups say fused=True, which StableAdamW reads as "use the fused Triton kernels"). One policy for every
   hyperparameter keeps it predictable: a resume keeps the moments exactly when the optimizer is the same one.
+- Which parameters train and at which learning-rate scale (`optim.layer_decay`, `model.vision.lock`,
+  `model.text.lock`, their `unlocked_blocks`, and a video run's `model.video.vision_trainable_blocks`): they make
+  the parameter groups, so a change is treated as a change of the optimizer. The weights load (frozen ones too)
+  and the optimizer starts fresh for the new groups.
 - `optim.grad_clip_norm` is read at every step, so it applies from the resumed step with nothing to restore.
 
 Either way one log line names each change and what it does. The settings are saved as plain data next to the
@@ -33,8 +37,12 @@ from src.config import TrainConfig
 from src.trainer.checkpoint import OptimizerState
 
 OPTIMIZER_KIND = SCHEDULE = "settings"  # the key each entry adds to its torch state dict
-# Parameter-group keys the schedule sets (and the parameters themselves): not the optimizer's identity.
-SCHEDULED = ("params", "lr", "initial_lr")
+# Parameter-group keys the schedule sets (and the parameters themselves): not the optimizer's identity. A
+# group's lr_scale (layer decay) is part of the kind, as optim.layer_decay.
+SCHEDULED = ("params", "lr", "initial_lr", "lr_scale")
+# The settings that decide the parameter groups, as checkpoints from before they were saved trained with them.
+GROUPS_BEFORE_SAVED = {"optim.layer_decay": 1.0, "model.vision.lock": False, "model.vision.unlocked_blocks": 0,
+                       "model.text.lock": False, "model.text.unlocked_blocks": 0}
 CONFIG_KEYS = {"betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
                "clip_threshold": "optim.clip_threshold"}
 
@@ -57,9 +65,14 @@ def group_settings(groups: list[dict]) -> list[dict]:
 def optimizer_changes(
     saved_kind: dict | None, saved_groups: list[dict], kind: dict, groups: list[dict]
 ) -> list[Change]:
-    """What differs between the optimizer a checkpoint saved and the one this run built."""
-    if saved_kind is not None and saved_kind != kind:
-        return [Change(key, saved_kind.get(key), value) for key, value in kind.items() if saved_kind.get(key) != value]
+    """What differs between the optimizer a checkpoint saved and the one this run built. A setting the checkpoint
+    did not record is not compared (but the groups still are)."""
+    if saved_kind is not None:
+        saved_kind = {**GROUPS_BEFORE_SAVED, **saved_kind}
+        changes = [Change(key, saved_kind[key], value) for key, value in kind.items()
+                   if key in saved_kind and saved_kind[key] != value]
+        if changes:
+            return changes
     old, new = group_settings(saved_groups), group_settings(groups)
     if len(old) != len(new) or any(a.keys() != b.keys() for a, b in zip(old, new)):
         # A checkpoint from before the kind was saved, of another optimizer class.
@@ -78,7 +91,13 @@ class ResumedOptimizer:
 
     def __init__(self, optimizer_state: OptimizerState, cfg: TrainConfig):
         self.optimizer_state = optimizer_state
-        self.kind = {"optim.name": str(cfg.optim.name), "class": type(optimizer_state.optimizer).__name__}
+        vision, text = cfg.model.vision, cfg.model.text
+        self.kind = {"optim.name": str(cfg.optim.name), "class": type(optimizer_state.optimizer).__name__,
+                     "optim.layer_decay": cfg.optim.layer_decay,
+                     "model.vision.lock": vision.lock, "model.vision.unlocked_blocks": vision.unlocked_blocks,
+                     "model.text.lock": text.lock, "model.text.unlocked_blocks": text.unlocked_blocks}
+        if cfg.data.frames:
+            self.kind["model.video.vision_trainable_blocks"] = cfg.model.video.vision_trainable_blocks
         self.changes: list[Change] = []
 
     def state_dict(self) -> dict:
@@ -100,7 +119,9 @@ class ResumedSchedule:
 
     def __init__(self, scheduler: LambdaLR, cfg: TrainConfig):
         self.scheduler = scheduler
-        self.settings = {"optim.warmup_steps": cfg.optim.warmup_steps, "optim.min_lr_ratio": cfg.optim.min_lr_ratio,
+        # optim.lr is saved as set: the first group's lr is scaled by layer decay.
+        self.settings = {"optim.lr": cfg.optim.lr, "optim.warmup_steps": cfg.optim.warmup_steps,
+                         "optim.min_lr_ratio": cfg.optim.min_lr_ratio,
                          "trainer.max_steps": cfg.trainer.max_steps, "optim.schedule": str(cfg.optim.schedule),
                          "optim.cooldown_steps": cfg.optim.cooldown_steps,
                          "optim.cooldown_shape": str(cfg.optim.cooldown_shape)}
@@ -151,5 +172,5 @@ def resume_summary(optimizer: ResumedOptimizer, schedule: ResumedSchedule, step:
                      + length_note(schedule, step))
     if optimizer.changes:
         parts.append(", ".join(map(str, optimizer.changes)) + ": weights loaded, the optimizer starts with fresh "
-                     "moments (the checkpoint's belong to another optimizer)")
+                     "moments (the checkpoint's belong to another optimizer or other parameter groups)")
     return "resumed with changed optimizer settings: " + "; ".join(parts) if parts else None

@@ -54,12 +54,14 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.vision.heads", lambda v: v >= 1, "at least 1"),
     ("model.vision.mlp_ratio", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("model.vision.patch_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.vision.unlocked_blocks", lambda v: v >= 0, "0 or more"),
     ("model.text.context_length", lambda v: v >= 2, "at least 2 (start and end of text)"),
     ("model.text.vocab_size", lambda v: v >= 1, "at least 1"),
     ("model.text.width", lambda v: v >= 1, "at least 1"),
     ("model.text.layers", lambda v: v >= 1, "at least 1"),
     ("model.text.heads", lambda v: v >= 1, "at least 1"),
     ("model.text.mlp_ratio", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
+    ("model.text.unlocked_blocks", lambda v: v >= 0, "0 or more"),
     ("model.ls_init_value", lambda v: v is None or (FINITE(v) and v >= 0), "a finite number, 0 or more (or null)"),
     ("model.init_logit_scale", FINITE, "a finite number"),
     ("model.max_logit_scale", FINITE, "a finite number"),
@@ -99,6 +101,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.cooldown_steps", lambda v: v >= 0, "0 or more"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.grad_clip_norm", lambda v: v is None or (FINITE(v) and v > 0), "a finite number above 0 (or null)"),
+    ("optim.layer_decay", lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
     ("precision.fixed_scale", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("spikes.rms_threshold", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("spikes.loss_std_factor", FINITE, "a finite number (below 0 flags every step, as tests do)"),
@@ -140,6 +143,18 @@ RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
      lambda schedule, cooldown, warmup, steps: schedule != "const_cooldown" or 1 <= cooldown <= steps - warmup,
      "optim.schedule=const_cooldown needs optim.cooldown_steps from 1 to trainer.max_steps - optim.warmup_steps "
      "(the cooldown follows the warmup; about 20% of trainer.max_steps is usual)"),
+    *(rule for tower, name in (("vision", "image"), ("text", "text")) for rule in (
+        ((f"model.{tower}.unlocked_blocks", f"model.{tower}.layers"), lambda blocks, layers: blocks <= layers,
+         f"model.{tower}.unlocked_blocks must not exceed the {name} tower's depth, model.{tower}.layers"),
+        ((f"model.{tower}.lock", f"model.{tower}.unlocked_blocks"), lambda lock, blocks: lock or blocks == 0,
+         f"unlocked_blocks leaves blocks of a locked tower trainable: set model.{tower}.lock=true (or "
+         f"model.{tower}.unlocked_blocks=0)"),
+    )),
+    (("model.video.vision_trainable_blocks", "model.vision.layers"), lambda blocks, layers: blocks <= layers,
+     "model.video.vision_trainable_blocks must not exceed the image tower's depth, model.vision.layers"),
+    (("data.frames", "model.vision.lock"), lambda frames, lock: frames == 0 or not lock,
+     "a video run locks the image tower with model.video.vision_trainable_blocks (0: all of it, k: all but its "
+     "last k blocks, -1: none): leave model.vision.lock=false"),
 )
 
 

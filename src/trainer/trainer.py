@@ -26,6 +26,7 @@ from src.data.image_text import ImageNormalizer, Preprocess
 from src.data.loader import TrainLoader
 from src.kernels.dispatch import apply_kernels
 from src.models import clip
+from src.models.locking import forward_order, image_tower, layer_depths
 from src.optim import build_optimizer, build_scheduler
 from src.optim.grad_norm import clip_grad_norm
 from src.optim.rms import update_rms
@@ -48,8 +49,6 @@ from src.trainer.state import Progress, RNGState, TrainState
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The patch embedding is where the paper finds RMS spikes 1-8 steps before loss spikes.
-PATCH_EMBED = "visual.conv1.weight"
 METRIC_NAMES = {
     "loss": "train/loss", "grad_norm": "train/grad_norm", "skipped_step": "train/skipped_step",
     "logit_scale": "train/logit_scale", "skipped_tensors": "scaler/skipped_tensors", "scale": "scaler/scale",
@@ -115,6 +114,16 @@ def build_model(cfg: TrainConfig, architecture: Callable[[], nn.Module]) -> nn.M
     return model
 
 
+def spike_parameter(model: nn.Module, visual_path: list[nn.Parameter]) -> str:
+    """The parameter whose update RMS spike detection follows: the first trained one of `visual_path` (in forward
+    order), which is the patch embedding, where the paper finds RMS spikes 1-8 steps before loss spikes; in a
+    partly locked image tower the first trained block's; with nothing of the path trained (LiT), the first trained
+    parameter of the model."""
+    names = {p: name for name, p in model.named_parameters()}
+    trained = [p for p in visual_path if p.requires_grad] or [p for p in names if p.requires_grad]
+    return names[trained[0]]
+
+
 def image_normalizer(cfg: TrainConfig, device: torch.device) -> ImageNormalizer:
     return ImageNormalizer(device, mean=cfg.data.image_mean, std=cfg.data.image_std,
                            dtype=autocast_dtype(cfg.precision.dtype) or torch.float32, compile=cfg.trainer.compile)
@@ -170,7 +179,8 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
             )
         return results if dist_info.is_main else None
 
-    return TrainParts(model, loader, loss, evaluate_images, PATCH_EMBED, features, features_loss)
+    return TrainParts(model, loader, loss, evaluate_images, spike_parameter(model, forward_order(image_tower(model))),
+                      features, features_loss)
 
 
 class Trainer:
@@ -198,7 +208,8 @@ class Trainer:
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
         self.scaler = build_scaler(cfg.precision, self.device)
-        self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors)
+        self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors,
+                                         depths=layer_depths(self.model))
         self.graphed = None
         if cfg.trainer.cuda_graph:
             self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device)
@@ -311,7 +322,8 @@ class Trainer:
             self.progress.eval_pending = False
         while self.progress.step < end:
             batch = next(self.loader)
-            lr = self.scheduler.get_last_lr()[0]
+            # train/lr is optim.lr's schedule: the last parameter group is at depth 0, unscaled by layer decay.
+            lr = self.scheduler.get_last_lr()[-1]
             pending.append((self.progress.step, lr, self.train_step(batch)))
             self.progress.step += 1
             window_steps += 1

@@ -21,11 +21,12 @@ from torch.distributed import ProcessGroup
 from src.config import TrainConfig, VideoConfig
 from src.data.image_text import Preprocess
 from src.data.loader import TrainLoader
+from src.models.locking import forward_order, image_tower
 from src.models.video_clip import VideoCLIP, VideoTextOutput, build_video_model
 from src.parallel.distributed import DistInfo, all_gather_with_grad
 from src.parallel.mesh import Mesh
 from src.trainer.loss import clip_loss, pair_loss
-from src.trainer.trainer import TrainParts, build_model, image_normalizer
+from src.trainer.trainer import TrainParts, build_model, image_normalizer, spike_parameter
 from src.trainer.video_eval import evaluate_video
 
 log = logging.getLogger(__name__)
@@ -47,14 +48,6 @@ def video_text_loss(
     if weights.image_text_weight:
         loss = loss + weights.image_text_weight * clip_loss(video, text, scale, dp_group)
     return loss
-
-
-def video_patch_embed(model: VideoCLIP) -> str:
-    """Spike tracking follows the first trained layer of the visual path: the patch embedding, or, with the image
-    tower's stem frozen, the first trained block or the temporal embedding."""
-    trained = [name for name, p in model.named_parameters() if p.requires_grad]
-    visual = [name for name in trained if name.startswith("clip.visual.") or name == "temporal_embedding"]
-    return (visual or trained)[0]
 
 
 def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
@@ -100,4 +93,7 @@ def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
         )
         return results if dist_info.is_main else None
 
-    return TrainParts(model, loader, loss, evaluate, video_patch_embed(model))
+    visual_path = forward_order(image_tower(model.clip))
+    if model.head is not None:
+        visual_path.append(model.temporal_embedding)
+    return TrainParts(model, loader, loss, evaluate, spike_parameter(model, visual_path))
