@@ -180,7 +180,7 @@ def test_ddp_and_fsdp2_gradients_are_those_of_the_single_process_loss_on_the_glo
 
 def test_the_bias_is_initialised_counted_with_neither_tower_and_never_decayed():
     from src.models import build_model, count_parameters
-    from src.optim import param_groups_for_weight_decay
+    from src.optim import param_groups
     from tests.test_model import tiny_config
 
     cfg = tiny_config()
@@ -190,7 +190,7 @@ def test_the_bias_is_initialised_counted_with_neither_tower_and_never_decayed():
     assert model.logit_bias.item() == -10.0 and "logit_bias" in model.state_dict()
     counts = count_parameters(model)
     assert counts["total"] == plain["total"] + 1 and counts["text"] == plain["text"]
-    decayed, not_decayed = param_groups_for_weight_decay(model, 0.2)
+    decayed, not_decayed = param_groups(model, 0.2, lr=1e-3)
     assert any(p is model.logit_bias for p in not_decayed["params"])
     assert not any(p is model.logit_bias for p in decayed["params"])
 

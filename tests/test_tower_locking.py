@@ -139,7 +139,7 @@ def test_layer_decay_scales_each_group_by_its_depth_and_the_schedule_keeps_the_s
                           "optim.warmup_steps=2", "trainer.max_steps=10"])
     model = build_model(cfg.model)
     optimizer = build_optimizer(cfg.optim, model, depths=layer_depths(model))
-    scheduler = build_scheduler(optimizer, cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
 
     def depth(name: str) -> int:  # BEiT's count: head 0, last block 1, first block LAYERS, embeddings LAYERS + 1
         for prefix in ("visual.transformer.resblocks.", "transformer.resblocks."):
