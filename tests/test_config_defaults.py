@@ -15,7 +15,8 @@ from tests.conftest import CONFIGS
 
 # Group (the schema's key in TrainConfig) -> the file that states every key of it once.
 HOMES = {"model": "model/base.yaml", "data": "data/base.yaml", "optim": None, "precision": None,
-         "trainer": "trainer/default.yaml", "logger": None, "spikes": "spikes/default.yaml"}
+         "trainer": "trainer/default.yaml", "logger": None, "spikes": "spikes/default.yaml",
+         "eval": "eval/default.yaml"}
 KEY_LINE = re.compile(r"^(\s*)([A-Za-z_]\w*):(.*)$")
 
 

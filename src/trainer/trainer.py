@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -34,7 +35,7 @@ from src.parallel.distributed import DistInfo, all_reduce_mean, barrier
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
-from src.trainer.evaluate import evaluate
+from src.trainer.evaluate import eval_sets, evaluate
 from src.trainer.loss import clip_loss
 from src.trainer.metrics import MetricLogger
 from src.trainer.optim_resume import ResumedOptimizer, ResumedSchedule, resume_summary
@@ -129,27 +130,33 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
             pin_memory=device.type == "cuda",
         )
     normalize = image_normalizer(cfg, device)
-    # Under FSDP2 every forward needs every rank's shards, so all ranks evaluate the same data and rank 0 logs.
-    sharded = shards_model(cfg, dist_info)
+    sets = eval_sets(cfg)
+    # The validation loss runs on rank 0 alone, over a group of that one rank (creating it takes every rank).
+    solo_group = dist.new_group([0]) if dist_info.world_size > 1 else None
+
+    def batch_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The loss of a batch's features over the ranks of `group`: training's, and the validation loss."""
+        return clip_loss(image_features.float(), text_features.float(), logit_scale.float(), group)
 
     def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         images = normalize(batch["images"].to(device, non_blocking=True))
         tokens = batch["tokens"].to(device, non_blocking=True)
-        image_features, text_features, logit_scale = forward_model(images, tokens)
-        return clip_loss(image_features.float(), text_features.float(), logit_scale.float())
+        return batch_loss(*forward_model(images, tokens))
 
     def evaluate_images(model: nn.Module, autocast: Callable) -> dict[str, float] | None:
-        """On rank 0 only (or every rank under FSDP2), on the unwrapped model."""
-        if not (dist_info.is_main or sharded):
-            return None
+        """On every rank, each encoding its share of each set, on the unwrapped model; rank 0 gets the results."""
+        def val_loss(image_features, text_features, group):
+            return batch_loss(image_features, text_features, model.logit_scale.detach().exp().cpu(), group)
+
         with unsharded_root(model):
-            results = evaluate(
-                model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
-                image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-                num_workers=cfg.data.num_workers, device=device, prepare_images=normalize, autocast=autocast,
-                zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
+            return evaluate(
+                model, sets, loss=val_loss, batch_size=cfg.eval.batch_size, image_size=cfg.model.vision.image_size,
+                context_length=cfg.model.text.context_length, num_workers=cfg.data.num_workers,
+                max_image_pixels=cfg.data.max_image_pixels, retries=cfg.data.shard_retries, device=device,
+                prepare_images=normalize, autocast=autocast, lockstep=shards_model(cfg, dist_info),
+                solo_group=solo_group, is_main=dist_info.is_main,
             )
-        return results if dist_info.is_main else None
 
     return TrainParts(model, loader, loss, evaluate_images, PATCH_EMBED)
 
@@ -198,6 +205,8 @@ class Trainer:
                     "scaler": self.scaler, "spikes": self.spikes},
             per_rank={"data": self.loader, "rng": RNGState()},
         )
+        # Held-out data, or a set of eval.zeroshot / retrieval / val_loss, to evaluate on.
+        self.evaluates = bool(cfg.data.eval_shards or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.val_loss)
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         self.resumed_from: str | None = None  # the checkpoint directory this run resumed from
         if cfg.trainer.resume:
@@ -293,8 +302,9 @@ class Trainer:
                 self.check_zero_gradient(records)
                 pending, window_start, window_steps = [], time.perf_counter(), 0
                 self.check_nonfinite()
-            evaluate_now = cfg.eval.every > 0 and self.progress.step % cfg.eval.every == 0
-            evaluate_now = bool(self.cfg.data.eval_shards) and (evaluate_now or self.progress.step == cfg.max_steps)
+            every = self.cfg.eval.every
+            evaluate_now = every > 0 and self.progress.step % every == 0
+            evaluate_now = self.evaluates and (evaluate_now or self.progress.step == cfg.max_steps)
             # A step's checkpoint comes before its evaluation and records that the evaluation is owed: a crash or a
             # failure in the evaluation then loses no training, and the resumed run evaluates first. On a stop
             # signal the evaluation (it can take long) is left to the resumed run.
