@@ -57,34 +57,40 @@ class EvalSet:
         return self.retrieval or self.val_loss
 
 
+def listed_sets(cfg: TrainConfig) -> list[EvalSet]:
+    """Each entry of eval.zeroshot, eval.retrieval and eval.val_loss as a set of its own."""
+    sets = [EvalSet(f"eval/{s.name}/", s.path, f"eval.zeroshot[{i}]", os.path.isdir(s.path), True, s.classnames,
+                    s.templates, False, False) for i, s in enumerate(cfg.eval.zeroshot)]
+    for task in ("retrieval", "val_loss"):
+        sets += [EvalSet(f"eval/{s.name}/", s.shards, f"eval.{task}[{i}]", os.path.isdir(s.shards), False, None, None,
+                         task == "retrieval", task == "val_loss") for i, s in enumerate(getattr(cfg.eval, task))]
+    return sets
+
+
 def eval_sets(cfg: TrainConfig) -> list[EvalSet]:
-    """The sets a run evaluates. Entries of the lists that share a name and a path are one set read once (a
-    retrieval set whose validation loss is also wanted); a name given to two paths is an error."""
+    """The sets a run evaluates: data.eval_shards (as eval.held_out says), then the listed ones. Entries that share
+    a name and a path are one set, read once (a retrieval set whose validation loss is also wanted); a name given
+    to two paths is an error."""
     held_out, sets = cfg.eval.held_out, []
     if cfg.data.eval_shards:
         sets.append(EvalSet("eval/", cfg.data.eval_shards, "data.eval_shards", False, held_out.zeroshot, None, None,
                             held_out.retrieval, held_out.val_loss))
     named: dict[str, EvalSet] = {}
-    entries = [(f"eval.zeroshot[{i}]", s.name, s.path, s) for i, s in enumerate(cfg.eval.zeroshot)]
-    entries += [(f"eval.retrieval[{i}]", s.name, s.shards, "retrieval") for i, s in enumerate(cfg.eval.retrieval)]
-    entries += [(f"eval.val_loss[{i}]", s.name, s.shards, "val_loss") for i, s in enumerate(cfg.eval.val_loss)]
-    for key, name, path, task in entries:
+    for entry in listed_sets(cfg):
+        name = entry.prefix.removeprefix("eval/").removesuffix("/")
         if not name or "/" in name:
-            raise ValueError(f"{key}.name={name!r}: give the set a name without '/' (its metrics are eval/<name>/...)")
-        found = named.get(name)
-        if found is None:
-            found = named[name] = EvalSet(f"eval/{name}/", path, key, os.path.isdir(path), False, None, None, False,
-                                          False)
-            sets.append(found)
-        elif found.path != path:
-            raise ValueError(f"{key}.name={name!r} is also the name of {found.key}, which reads {found.path!r}: give "
-                             "each set its own name")
-        if task == "retrieval" or task == "val_loss":
-            if found.folder:
-                raise ValueError(f"{key}.shards={path!r} is a directory: {task} needs image-text shards")
-            setattr(found, task, True)
+            raise ValueError(f"{entry.key}.name={name!r}: give the set a name without '/' (its metrics are "
+                             "eval/<name>/...)")
+        found = named.setdefault(name, entry)
+        if found is entry:
+            sets.append(entry)
+        elif found.path != entry.path:
+            raise ValueError(f"{entry.key}.name={name!r} is also the name of {found.key}, which reads "
+                             f"{found.path!r}: give each set its own name")
+        elif entry.zeroshot:
+            found.zeroshot, found.classnames, found.templates = True, entry.classnames, entry.templates
         else:
-            found.zeroshot, found.classnames, found.templates = True, task.classnames, task.templates
+            found.retrieval, found.val_loss = found.retrieval or entry.retrieval, found.val_loss or entry.val_loss
     return sets
 
 

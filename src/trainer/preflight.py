@@ -25,7 +25,7 @@ from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
-from src.trainer.evaluate import EvalSet, class_prompts, eval_sets
+from src.trainer.evaluate import EvalSet, class_prompts, eval_sets, listed_sets
 from src.trainer.memory import available_memory, check_memory, estimate_memory
 from src.trainer.pretrained import OPENCLIP, model_file
 
@@ -178,6 +178,9 @@ def check_eval_shards(pattern: str, key: str = "data.eval_shards") -> None:
 def check_eval_set(eval_set: EvalSet) -> None:
     """A set of eval.zeroshot, eval.retrieval or eval.val_loss: its image folder lists images in class directories
     (torchvision's ImageFolder), or its shards open; a zero-shot set has its class names and templates."""
+    if eval_set.folder and eval_set.captions:
+        raise ValueError(f"{eval_set.key}.shards={eval_set.path!r} is a directory: retrieval and the validation loss "
+                         "need image-text shards")
     if eval_set.folder:
         try:
             image_folder(eval_set.path)
@@ -203,13 +206,9 @@ def check_eval_lists(cfg: TrainConfig) -> None:
 
 
 def eval_set_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
-    """The lists, then one check per listed set (data.eval_shards has its own)."""
-    try:
-        sets = [] if cfg.data.frames else eval_sets(cfg)
-    except ValueError:  # check_eval_lists reports it
-        sets = []
-    return [lambda: check_eval_lists(cfg),
-            *(functools.partial(check_eval_set, s) for s in sets if s.key != "data.eval_shards")]
+    """The lists, then each listed set by itself (data.eval_shards has its own checks)."""
+    entries = [] if cfg.data.frames else listed_sets(cfg)
+    return [lambda: check_eval_lists(cfg), *(functools.partial(check_eval_set, s) for s in entries)]
 
 
 def check_classes(pattern: str) -> None:

@@ -1,0 +1,164 @@
+"""Evaluation sets (eval.zeroshot, eval.retrieval, eval.val_loss and data.eval_shards): an image folder and labelled
+shards with OpenCLIP's templates through train.py, the validation loss against the training loss, the sets' checks
+in preflight, and evaluation shared out over two ranks giving the single-process results."""
+
+import contextlib
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from src.data.loader import eval_batches
+from src.parallel.distributed import DistInfo
+from src.parallel.parallelize import apply_fsdp
+from src.tools.synthetic_shapes import CLASSES
+from src.trainer.preflight import preflight
+from src.trainer.trainer import image_text_parts
+from tests.conftest import compose_config, data_overrides, run_train
+from tests.test_trainer import read_metrics, tiny_run
+
+CPU = DistInfo(0, 1, 0, torch.device("cpu"))
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def image_folder(shapes, tmp_path_factory) -> dict[str, str]:
+    """The held-out shards' images as a torchvision ImageFolder tree, root/c<label>/<key>.jpg, with a class-name
+    file in sorted directory order: the same set as the shards, in the other layout."""
+    root = tmp_path_factory.mktemp("folder")
+    eval_dir = os.path.dirname(shapes["eval_shards"])
+    for shard in sorted(os.listdir(eval_dir)):
+        if not shard.endswith(".tar"):
+            continue
+        with tarfile.open(os.path.join(eval_dir, shard)) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        for name, data in members.items():
+            key, ext = name.rsplit(".", 1)
+            if ext == "jpg":
+                label = json.loads(members[f"{key}.json"])["label"]
+                os.makedirs(root / "images" / f"c{label:02d}", exist_ok=True)
+                (root / "images" / f"c{label:02d}" / f"{key}.jpg").write_bytes(data)
+    assert len(os.listdir(root / "images")) == len(CLASSES)  # every class has held-out images
+    (root / "names.txt").write_text("\n".join(CLASSES) + "\n")
+    return {"root": str(root / "images"), "names": str(root / "names.txt")}
+
+
+def sets_overrides(shapes: dict[str, str], folder: dict[str, str]) -> list[str]:
+    pattern = shapes["eval_shards"]
+    return [
+        f"eval.zeroshot=[{{name: folder, path: '{folder['root']}', classnames: '{folder['names']}', "
+        f"templates: openai_imagenet}}, {{name: shards, path: '{pattern}', classnames: null, "
+        "templates: openai_imagenet}]",
+        f"eval.retrieval=[{{name: pairs, shards: '{pattern}'}}]",
+        f"eval.val_loss=[{{name: pairs, shards: '{pattern}'}}]",
+    ]
+
+
+def test_an_image_folder_and_labelled_shards_with_openclip_templates_evaluate_end_to_end(shapes, image_folder,
+                                                                                       tmp_path):
+    """Through train.py: the folder tree and the shards it was made from give the same zero-shot accuracy with
+    OpenCLIP's 80 ImageNet templates; a retrieval and validation-loss set on the held-out shards gives the
+    held-out set's own numbers; every metric is where the docs say."""
+    run_dir = tmp_path / "run"
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=3", "eval.every=0", "eval.batch_size=32",
+                       *sets_overrides(shapes, image_folder)))
+    (final,) = [m for m in read_metrics(run_dir) if "eval/folder/zeroshot_top1" in m]
+    assert final["step"] == 3
+    for top in ("zeroshot_top1", "zeroshot_top5"):
+        assert 0 <= final[f"eval/folder/{top}"] <= 1
+        assert final[f"eval/folder/{top}"] == final[f"eval/shards/{top}"], top
+    assert final["eval/folder/zeroshot_top1"] <= final["eval/folder/zeroshot_top5"]
+    for way in ("i2t", "t2i"):
+        recalls = [final[f"eval/pairs/{way}_r{k}"] for k in (1, 5, 10)]
+        assert recalls == sorted(recalls) and recalls == [final[f"eval/{way}_r{k}"] for k in (1, 5, 10)]
+    assert final["eval/pairs/val_loss"] == final["eval/val_loss"] > 0
+    assert "eval/zeroshot_top1" in final  # the held-out set, with its classes.json templates
+    assert not [k for k in final if "/bad/" in k]
+    assert os.path.isdir(run_dir / "checkpoints/step_00000003")
+
+
+def test_the_validation_loss_is_the_training_loss_of_the_held_out_batches(shapes):
+    """eval/val_loss, in batches of eval.batch_size (100 held-out samples: 32, 32, 32, 4), equals the parts'
+    training loss function on the same batches, weighted by their sizes."""
+    cfg = compose_config(["experiment=quickstart", *data_overrides(shapes), "data.num_workers=0",
+                          "eval.batch_size=32"])
+    parts = image_text_parts(cfg, CPU)
+    parts.model.eval()  # no patch dropout: the evaluation's forward
+    (batch,) = list(eval_batches(shapes["eval_shards"], batch_size=1000, image_size=32, context_length=16,
+                                 num_workers=0))
+    with torch.no_grad():
+        chunks = [{name: batch[name][i : i + 32] for name in ("images", "tokens")} for i in range(0, 100, 32)]
+        losses = [(parts.loss(parts.model, chunk), len(chunk["images"])) for chunk in chunks]
+    want = sum(loss.item() * n for loss, n in losses) / 100
+    results = parts.evaluate(parts.model, contextlib.nullcontext)
+    assert results["eval/val_loss"] == pytest.approx(want, rel=1e-6)
+    assert 0 <= results["eval/zeroshot_top1"] <= results["eval/zeroshot_top5"] <= 1
+
+
+def test_preflight_opens_every_listed_set(shapes, image_folder, tmp_path):
+    base = ["experiment=quickstart", *data_overrides(shapes)]
+    short = tmp_path / "short.txt"
+    short.write_text("one\ntwo\n")
+    folder_set = f"{{name: b, path: '{image_folder['root']}', classnames: '{short}', templates: simple_imagenet}}"
+    cfg = compose_config([*base, f"eval.zeroshot=[{{name: a, path: '{tmp_path}/nowhere', classnames: null, "
+                                 f"templates: null}}, {folder_set}]",
+                          f"eval.retrieval=[{{name: b, shards: '{shapes['eval_shards']}'}}]"])
+    with pytest.raises(ValueError, match="the configuration cannot run") as err:
+        preflight(cfg, CPU, str(tmp_path))
+    message = str(err.value)
+    assert f"eval.zeroshot[0].path matched no files: '{tmp_path}/nowhere'" in message
+    assert f"eval.retrieval[0].name='b' is also the name of eval.zeroshot[1], which reads '{image_folder['root']}'" \
+        in message
+    assert (f"eval.zeroshot[1].classnames='{short}' gives 2 class names, but '{image_folder['root']}' has "
+            f"{len(CLASSES)} classes") in str(err.value)
+
+
+def rank_split_overrides(shapes: dict[str, str], folder: dict[str, str], *extra: str) -> list[str]:
+    """Three held-out shards of 50, 50 and 100 samples: rank 0 reads two of them, rank 1 one."""
+    eval_dir, train_dir = os.path.dirname(shapes["eval_shards"]), os.path.dirname(shapes["shards"])
+    uneven = f"{eval_dir}/eval-{{000000..000001}}.tar::{train_dir}/train-000000.tar"
+    return ["experiment=quickstart", *data_overrides(shapes), f"data.eval_shards='{uneven}'", "data.num_workers=0",
+            "eval.batch_size=16", f"eval.zeroshot=[{{name: folder, path: '{folder['root']}', classnames: null, "
+            "templates: openai_imagenet}]", *extra]
+
+
+def rank_split_worker(rank: int, port: int, runs: list[tuple[list[str], str]]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    for overrides, out in runs:
+        cfg = compose_config(overrides)
+        parts = image_text_parts(cfg, DistInfo(rank, WORLD, rank, torch.device("cpu")))
+        if cfg.trainer.data_parallel == "fsdp2":
+            apply_fsdp(parts.model, init_device_mesh("cpu", (WORLD,)))
+        results = parts.evaluate(parts.model, contextlib.nullcontext)
+        assert (results is None) == (rank != 0)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_evaluation_shared_out_over_two_ranks_gives_the_single_process_results(shapes, image_folder, tmp_path):
+    """Each rank encodes its share (uneven: 150 and 50 samples of the shards, half the folder's files, half the
+    classes' prompts), with DDP's plain model and under FSDP2 (where the rank done first runs idle forwards
+    until the other is done); the gathered metrics are a single process's, to 1e-6."""
+    torch.set_num_threads(1)
+    overrides = rank_split_overrides(shapes, image_folder)
+    parts = image_text_parts(compose_config(overrides), CPU)
+    want = parts.evaluate(parts.model, contextlib.nullcontext)
+    assert {"eval/zeroshot_top1", "eval/i2t_r10", "eval/val_loss", "eval/folder/zeroshot_top5"} <= want.keys()
+    runs = [(overrides, str(tmp_path / "ddp.json")),
+            (rank_split_overrides(shapes, image_folder, "trainer.data_parallel=fsdp2"), str(tmp_path / "fsdp2.json"))]
+    mp.spawn(rank_split_worker, args=(29551, runs), nprocs=WORLD)
+    for _, out in runs:
+        with open(out) as f:
+            got = json.load(f)
+        assert got.keys() == want.keys(), out
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, abs=1e-6), (out, key)
