@@ -225,8 +225,7 @@ def set_features(encoder: Encoder, batches: EvalBatches, captions: bool) -> dict
     local = {name: torch.cat(values) if values else empty[name].to(encoder.device) for name, values in parts.items()}
     gathered = {name: all_gather_rows(value.contiguous()).cpu() for name, value in local.items()}
     place = gathered.pop("order").argsort()
-    features = {name: value[place] for name, value in gathered.items()}
-    return features
+    return {name: value[place] for name, value in gathered.items()}
 
 
 def class_embeddings(encoder: Encoder, names: list[str], templates: list[str], batch_size: int) -> torch.Tensor:
@@ -311,7 +310,7 @@ def evaluate(
         if eval_set.zeroshot:
             names, templates = class_prompts(eval_set)
             classes = class_embeddings(encoder, names, templates, batch_size)
-        if not len(features["images"]):
+        if is_main and not len(features["images"]):
             log.warning("%s (%s): no sample could be read (skipped: %s)", eval_set.key, eval_set.path, bad)
         if is_main:
             results.update(set_metrics(eval_set, features, classes, loss, batch_size, solo_group))
