@@ -399,14 +399,20 @@ class EvalBatches:
     def __init__(self, loader: DataLoader):
         self.loader = loader
         self.bad: dict[int, dict[str, int]] = {}
+        self._items: Iterator[dict] | None = None
 
     def __iter__(self) -> Iterator[dict]:
-        with start_workers():
-            batches = iter(self.loader)
-        for item in batches:
+        return self
+
+    def __next__(self) -> dict:
+        if self._items is None:
+            with start_workers():
+                self._items = iter(self.loader)
+        while True:
+            item = next(self._items)
             self.bad[item["worker"]] = item["bad"]
             if "images" in item:
-                yield item
+                return item
 
     def bad_counts(self) -> dict[str, int]:
         total: Counter[str] = Counter()
