@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from src.data.loader import eval_batches
+from src.data.loader import eval_batches, sample_label
 from src.data.shards import expand_shards
 from src.parallel.distributed import DistInfo
 from src.parallel.parallelize import apply_fsdp
@@ -148,6 +148,42 @@ def test_preflight_opens_every_listed_set(shapes, image_folder, tmp_path):
         in message
     assert (f"eval.zeroshot[1].classnames='{short}' gives 2 class names, but '{image_folder['root']}' has "
             f"{len(CLASSES)} classes") in str(err.value)
+
+
+def test_zero_shot_labels_class_names_and_templates_come_from_the_set_or_open_clip(shapes, image_folder, tmp_path):
+    """A label is a `.json` member's "label" or a `.cls` member (webdataset's ImageNet shards), a bad one counted;
+    `imagenet1k` and `openai_imagenet` are open_clip's own lists; a templates file needs {} in every line."""
+    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
+
+    from src.data.reader import BadData
+    from src.trainer.evaluate import class_prompts, eval_sets
+
+    bad = BadData()
+    samples = [{"json": b'{"label": 3}'}, {"cls": b"7"}, {"txt": b"no label"}, {"cls": b"seven"}]
+    assert [sample_label({**sample, "__url__": "x.tar"}, bad) for sample in samples] == [3, 7, -1, None]
+    assert dict(bad.counts) == {"bad_label": 1}
+    templates = tmp_path / "templates.txt"
+    templates.write_text("a photo of a {}.\nitap of a {}.\n")
+    folder = image_folder["root"]
+    cfg = compose_config(["experiment=quickstart", *data_overrides(shapes),
+                          f"eval.zeroshot=[{{name: a, path: '{folder}', classnames: null, templates: '{templates}'}}]"])
+    (_, listed) = eval_sets(cfg)
+    names, prompts = class_prompts(listed)
+    assert names == [f"c{i:02d}" for i in range(len(CLASSES))] and prompts == ["a photo of a {}.", "itap of a {}."]
+    listed.classnames, listed.templates = "imagenet1k", "openai_imagenet"
+    with pytest.raises(ValueError, match=f"gives 1000 class names, but '{folder}' has {len(CLASSES)} classes"):
+        class_prompts(listed)
+    listed.path, listed.folder = shapes["eval_shards"], False
+    listed.classnames = None
+    names, prompts = class_prompts(listed)
+    assert names == CLASSES and prompts == [t("{}") for t in OPENAI_IMAGENET_TEMPLATES] and len(prompts) == 80
+    templates.write_text("a photo of a thing.\n")
+    listed.templates = str(templates)
+    with pytest.raises(ValueError, match="every template a {} for the class name"):
+        class_prompts(listed)
+    listed.templates = str(tmp_path / "nowhere.txt")
+    with pytest.raises(FileNotFoundError, match="or the name of what open_clip ships \\(openai_imagenet, "):
+        class_prompts(listed)
 
 
 def rank_split_overrides(shapes: dict[str, str], folder: dict[str, str], *extra: str) -> list[str]:

@@ -94,13 +94,13 @@ def eval_sets(cfg: TrainConfig) -> list[EvalSet]:
     return sets
 
 
-def _lines(path: str, key: str) -> list[str]:
+def _lines(path: str, key: str, shipped: dict) -> list[str]:
     try:
         with open(path) as f:
             return [line.strip() for line in f if line.strip()]
     except OSError as err:
         raise FileNotFoundError(f"{key}={path!r} cannot be read ({err.strerror or err}): give a file with one "
-                                "entry per line, or the name of a set open_clip ships") from None
+                                f"entry per line, or the name of what open_clip ships ({', '.join(shipped)})") from None
 
 
 def classes_json(eval_set: EvalSet) -> dict | None:
@@ -128,7 +128,8 @@ def class_prompts(eval_set: EvalSet) -> tuple[list[str], list[str]]:
     else:
         names = list(spec["classes"])
     if eval_set.classnames is not None:
-        given = CLASSNAME_SETS.get(eval_set.classnames) or _lines(eval_set.classnames, f"{eval_set.key}.classnames")
+        given = CLASSNAME_SETS.get(eval_set.classnames) or _lines(eval_set.classnames, f"{eval_set.key}.classnames",
+                                                                      CLASSNAME_SETS)
         if len(given) != len(names):
             raise ValueError(f"{eval_set.key}.classnames={eval_set.classnames!r} gives {len(given)} class names, but "
                              f"{eval_set.path!r} has {len(names)} classes: give one name per class, in sorted order "
@@ -137,7 +138,7 @@ def class_prompts(eval_set: EvalSet) -> tuple[list[str], list[str]]:
     if eval_set.templates in TEMPLATE_SETS:
         templates = [t("{}") for t in TEMPLATE_SETS[eval_set.templates]]
     elif eval_set.templates is not None:
-        templates = _lines(eval_set.templates, f"{eval_set.key}.templates")
+        templates = _lines(eval_set.templates, f"{eval_set.key}.templates", TEMPLATE_SETS)
     else:
         templates = (spec or {}).get("templates") or [t("{}") for t in OPENAI_IMAGENET_TEMPLATES]
     if not names or not all("{}" in t for t in templates):
