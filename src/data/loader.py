@@ -358,6 +358,7 @@ class EvalStream(IterableDataset):
                 log.warning("skipping %s: %s", path, err)
                 bad.add("unreadable_file", path)
                 continue
+            # Under any image key: the decoder reads the format from the bytes (PIL), as it does for shards.
             yield index, {"jpg": data, "__url__": path, "__key__": path}, label
 
     def _batch(self, images: list, captions: list, labels: list, order: list, worker: int, bad: BadData) -> dict:
