@@ -186,10 +186,11 @@ def test_zero_shot_labels_class_names_and_templates_come_from_the_set_or_open_cl
         class_prompts(listed)
 
 
-def rank_split_overrides(shapes: dict[str, str], folder: dict[str, str], *extra: str) -> list[str]:
-    """Three held-out shards of 50, 50 and 100 samples: rank 0 reads two of them, rank 1 one."""
-    eval_dir, train_dir = os.path.dirname(shapes["eval_shards"]), os.path.dirname(shapes["shards"])
-    uneven = f"{eval_dir}/eval-{{000000..000001}}.tar::{train_dir}/train-000000.tar"
+def rank_split_overrides(shapes: dict[str, str], folder: dict[str, str], bad: str, *extra: str) -> list[str]:
+    """Held-out shards of 50, 50 and 100 samples, then `bad`'s two: rank 0 reads the first, the third and the
+    garbage shard, rank 1 the second and the one with bad samples."""
+    train = expand_shards(shapes["shards"])[0]
+    uneven = bad.replace("::", f"::{train}::", 1)
     return ["experiment=quickstart", *data_overrides(shapes), f"data.eval_shards='{uneven}'", "data.num_workers=0",
             "eval.batch_size=16", f"eval.zeroshot=[{{name: folder, path: '{folder['root']}', classnames: null, "
             "templates: simple_imagenet}]", *extra]
@@ -213,16 +214,20 @@ def rank_split_worker(rank: int, port: int, runs: list[tuple[list[str], str]]) -
 
 
 def test_evaluation_shared_out_over_two_ranks_gives_the_single_process_results(shapes, image_folder, tmp_path):
-    """Each rank encodes its share (uneven: 150 and 50 samples of the shards, half the folder's files, half the
+    """Each rank encodes its share (uneven: 150 and 52 samples of the shards, half the folder's files, half the
     classes' prompts), with DDP's plain model and under FSDP2 (where the rank done first runs idle forwards
-    until the other is done); the gathered metrics are a single process's, to 1e-6."""
+    until the other is done); the gathered metrics, and the bad-data counts summed over the ranks, are a single
+    process's, to 1e-6."""
     torch.set_num_threads(1)
-    overrides = rank_split_overrides(shapes, image_folder)
+    bad = bad_held_out_shards(shapes, tmp_path)
+    overrides = rank_split_overrides(shapes, image_folder, bad)
     parts = image_text_parts(compose_config(overrides), CPU)
     want = parts.evaluate(parts.model, contextlib.nullcontext)
     assert {"eval/zeroshot_top1", "eval/i2t_r10", "eval/val_loss", "eval/folder/zeroshot_top5"} <= want.keys()
+    assert want["eval/bad/corrupt_image"] == want["eval/bad/truncated_shard"] == 1  # one from each rank's share
     runs = [(overrides, str(tmp_path / "ddp.json")),
-            (rank_split_overrides(shapes, image_folder, "trainer.data_parallel=fsdp2"), str(tmp_path / "fsdp2.json"))]
+            (rank_split_overrides(shapes, image_folder, bad, "trainer.data_parallel=fsdp2"),
+             str(tmp_path / "fsdp2.json"))]
     mp.spawn(rank_split_worker, args=(29551, runs), nprocs=WORLD)
     for _, out in runs:
         with open(out) as f:
