@@ -319,11 +319,40 @@ class SpikesConfig:
 
 
 @dataclass
+class HeldOutEvalConfig:
+    """What is measured on data.eval_shards, the held-out split of the training data."""
+
+    zeroshot: bool
+    retrieval: bool
+    val_loss: bool
+
+
+@dataclass
+class ZeroShotSetConfig:
+    """One classification set of eval.zeroshot (every key is required in a list entry: null means the default)."""
+
+    name: str
+    path: str
+    classnames: str | None
+    templates: str | None
+
+
+@dataclass
+class ShardSetConfig:
+    """One image-text shard set of eval.retrieval or eval.val_loss."""
+
+    name: str
+    shards: str
+
+
+@dataclass
 class EvalConfig:
     every: int
     batch_size: int
-    zeroshot: bool
-    retrieval: bool
+    held_out: HeldOutEvalConfig
+    zeroshot: list[ZeroShotSetConfig]
+    retrieval: list[ShardSetConfig]
+    val_loss: list[ShardSetConfig]
 
 
 @dataclass
@@ -341,7 +370,6 @@ class TrainerConfig:
     cuda_graph: bool
     dry_run: bool
     progress: bool
-    eval: EvalConfig
     resume_required: bool
     preempt_deadline_s: float
     max_nonfinite_steps: int | None
@@ -376,6 +404,7 @@ class TrainConfig:
     logger: LoggerConfig
     spikes: SpikesConfig
     loss: LossConfig
+    eval: EvalConfig
     experiment_name: str
 
 

@@ -223,11 +223,11 @@ def test_preflight_checks_the_inputs_it_can_reach_cheaply(tmp_path, shapes):
     assert f"model.init_from='{tmp_path}/nothing' names no checkpoint" in message
     held_out = [*data_overrides(shapes), f"data.eval_shards='{eval_dir}/eval-{{000000..000001}}.tar'"]
     message = preflight_problems(tmp_path, held_out)
-    assert (f"trainer.eval.zeroshot=true needs classes.json beside data.eval_shards, and {eval_dir}/classes.json "
-            "does not exist") in message and "or set trainer.eval.zeroshot=false" in message
+    assert (f"eval.held_out.zeroshot=true needs classes.json beside data.eval_shards, and {eval_dir}/classes.json "
+            "does not exist") in message and "or set eval.held_out.zeroshot=false" in message
     (eval_dir / "classes.json").write_text("{not json")
     assert f"{eval_dir}/classes.json cannot be read as a class list" in preflight_problems(tmp_path, held_out)
-    preflight(compose_config(["experiment=quickstart", *held_out, "trainer.eval.zeroshot=false"]), CPU, str(tmp_path))
+    preflight(compose_config(["experiment=quickstart", *held_out, "eval.held_out.zeroshot=false"]), CPU, str(tmp_path))
 
 
 def test_no_training_data_is_found_by_preflight(tmp_path):

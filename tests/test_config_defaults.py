@@ -17,7 +17,7 @@ from tests.conftest import CONFIGS
 # selected several at once (logger=[wandb,tensorboard]), so their common values sit in the root config's `logger:`.
 HOMES = {"model": "model/base.yaml", "data": "data/base.yaml", "optim": None, "precision": None,
          "trainer": "trainer/default.yaml", "logger": "train.yaml", "spikes": "spikes/default.yaml",
-         "loss": "loss/clip.yaml"}
+         "loss": "loss/clip.yaml", "eval": "eval/default.yaml"}
 KEY_LINE = re.compile(r"^(\s*)([A-Za-z_]\w*):(.*)$")
 
 

@@ -60,7 +60,7 @@ def test_torchrun_two_ranks_share_one_run_directory(shapes, tmp_path):
     outputs = tmp_path / "outputs"
     run_train([
         "experiment=quickstart", *data_overrides(shapes), "trainer.max_steps=20", "trainer.progress=false",
-        "data.batch_size=32", "data.num_workers=1", "trainer.log_every=5", "trainer.eval.every=0",
+        "data.batch_size=32", "data.num_workers=1", "trainer.log_every=5", "eval.every=0",
         f"trainer.run_dir={outputs}/{{now:%H-%M-%S-%f}}".replace("{now", "${now"),
     ], torchrun=2)
     runs = os.listdir(outputs)

@@ -151,7 +151,7 @@ def run_overrides(shapes: dict[str, str], run_dir: str, *extra: str, evaluate: b
     return [
         "experiment=quickstart", *data, f"trainer.run_dir={run_dir}", "trainer.progress=false",
         "data.batch_size=16", "data.num_workers=0", "trainer.log_every=2", f"trainer.max_steps={STEPS}",
-        "trainer.ckpt_every=2", "trainer.eval.every=0", "optim.warmup_steps=1", "optim.grad_clip_norm=0.5",
+        "trainer.ckpt_every=2", "eval.every=0", "optim.warmup_steps=1", "optim.grad_clip_norm=0.5",
         "optim.clip_threshold=0.8", "spikes.ignore_first=0", *extra,
     ]
 

@@ -27,7 +27,7 @@ def tiny_run(shapes, run_dir, *extra: str) -> list[str]:
 
 def test_quickstart_pipeline_writes_run_directory(shapes, tmp_path):
     run_dir = tmp_path / "run"
-    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=12", "trainer.eval.every=6", "trainer.ckpt_every=6",
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=12", "eval.every=6", "trainer.ckpt_every=6",
                        "trainer.keep_last_k=1"))
     assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
     lines = train_lines(run_dir)
@@ -43,7 +43,7 @@ def test_quickstart_pipeline_writes_run_directory(shapes, tmp_path):
 
 
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(shapes, tmp_path):
-    common = ["trainer.max_steps=16", "trainer.ckpt_every=7", "trainer.eval.every=8",
+    common = ["trainer.max_steps=16", "trainer.ckpt_every=7", "eval.every=8",
               "model.vision.patch_dropout=0.25", "data.crop_scale_min=0.5"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(tiny_run(shapes, straight, *common))
@@ -76,7 +76,7 @@ def test_fp16_fixed_scaler_run_logs_stability_metrics_and_plots(shapes, tmp_path
     from tests.conftest import ROOT
 
     run_dir = tmp_path / "fp16"
-    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=8", "trainer.eval.every=0", "optim=stable_adamw",
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=8", "eval.every=0", "optim=stable_adamw",
                        "precision=fp16", "precision.scaler=fixed", "spikes.ignore_first=0", "spikes.window=4"))
     lines = train_lines(run_dir)
     for key in ("optim/rms/patch_embed", "optim/rms_max", "optim/clipped_frac", "scaler/scale",
@@ -97,7 +97,7 @@ def test_wandb_offline_and_tensorboard_at_once_and_spike_events(shapes, tmp_path
 
     run_dir = tmp_path / "wb"
     # A negative factor flags every step once the window is full: a deterministic stand-in for a spike.
-    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=6", "trainer.eval.every=0", "logger=[wandb,tensorboard]",
+    run_train(tiny_run(shapes, run_dir, "trainer.max_steps=6", "eval.every=0", "logger=[wandb,tensorboard]",
                        "spikes.ignore_first=0", "spikes.window=2", "spikes.loss_std_factor=-10"))
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
@@ -122,7 +122,7 @@ def test_resume_applies_a_changed_learning_rate_and_schedule_from_the_resumed_st
     from src.optim.schedule import warmup_cosine
 
     run_dir = tmp_path / "run"
-    common = ["trainer.max_steps=12", "trainer.eval.every=0", "trainer.ckpt_every=6"]
+    common = ["trainer.max_steps=12", "eval.every=0", "trainer.ckpt_every=6"]
     run_train(tiny_run(shapes, run_dir, *common, "trainer.stop_at_step=6"))  # quickstart: lr 2e-3, warmup 5
     before = train_lines(run_dir)
     result = run_train(tiny_run(shapes, run_dir, *common, "trainer.resume=latest", "optim.lr=5e-4",
@@ -140,7 +140,7 @@ def test_resume_applies_a_changed_learning_rate_and_schedule_from_the_resumed_st
 
 def test_resume_with_another_optimizer_loads_the_weights_and_starts_fresh_moments(shapes, tmp_path):
     run_dir = tmp_path / "run"
-    common = ["trainer.max_steps=10", "trainer.eval.every=0", "trainer.ckpt_every=6"]
+    common = ["trainer.max_steps=10", "eval.every=0", "trainer.ckpt_every=6"]
     run_train(tiny_run(shapes, run_dir, *common, "trainer.stop_at_step=6"))
     weights = torch.load(run_dir / "checkpoints/step_00000006/model.pt", weights_only=True)
     # optim=stable_adamw brings its own lr (2e-3, as the quickstart's) and betas; weight_decay as quickstart's
@@ -190,7 +190,7 @@ def test_a_run_with_exactly_zero_gradients_stops_and_the_fix_it_names_trains(tmp
     same_length_caption_shard(shard)
     run = ["experiment=quickstart", f"data.shards={shard}", "data.eval_shards=null", "data.generate=false",
            "trainer.progress=false", "data.batch_size=2", "data.num_workers=0", "trainer.log_every=4",
-           "optim.warmup_steps=2", "trainer.max_steps=8", "trainer.eval.every=0", "trainer.ckpt_every=0"]
+           "optim.warmup_steps=2", "trainer.max_steps=8", "eval.every=0", "trainer.ckpt_every=0"]
     with pytest.raises(AssertionError, match="train/grad_norm was exactly 0 at every step from 0 to 3") as error:
         run_train([*run, f"trainer.run_dir={tmp_path / 'zero'}", "model.ls_init_value=0.0"])
     assert "model.ls_init_value" in str(error.value) and "captions of varied length" in str(error.value)

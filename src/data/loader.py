@@ -68,11 +68,40 @@ def decode_pixels(
     return decode_image(image_bytes(sample), size, rng, scale_min, max_pixels, preprocess=preprocess)
 
 
-def read_samples(urls: list[str]) -> Iterator[dict]:
-    """Raw samples (a dict of member bytes keyed by extension) from tar shards, in order."""
-    bad = BadData()
-    for url in urls:
-        yield from read_shard(url, bad, retries=0)
+def decode_caption(sample: dict, bad: BadData) -> str | None:
+    """A sample's caption, or None (counted as `missing_caption` or `bad_caption`)."""
+    if "txt" not in sample:
+        bad.add("missing_caption", sample["__url__"])
+        return None
+    try:
+        return sample["txt"].decode("utf-8")
+    except UnicodeDecodeError:
+        bad.add("bad_caption", sample["__url__"])
+        return None
+
+
+def decode_sample_pixels(
+    sample: dict, bad: BadData, *, frames: int, size: int, rng: random.Random | None, scale_min: float,
+    max_pixels: int | None, flip: bool, preprocess: Preprocess,
+) -> torch.Tensor | None:
+    """`decode_pixels`, or None for a sample to skip, counted by reason (`missing_image`, `oversized_image`,
+    `corrupt_image`): the one decision of what bad data is, for training and evaluation alike."""
+    url = sample["__url__"]
+    try:
+        return decode_pixels(sample, frames, size, rng, scale_min, max_pixels, flip, preprocess=preprocess)
+    except KeyError:
+        bad.add("missing_image", url)
+        return None
+    except TooFewFrames:
+        raise
+    except OversizedImage as err:
+        log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
+        bad.add("oversized_image", url)
+        return None
+    except Exception as err:  # PIL raises many types for broken files; any of them means skip this one
+        log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
+        bad.add("corrupt_image", url)
+        return None
 
 
 def resolve_sources(cfg: DataConfig) -> tuple[list[list[str]], list[float]]:
@@ -136,33 +165,14 @@ class TrainStream(IterableDataset):
                       rng_seed=f"buffer-{self.seed}-{reader_id}", bad=bad, retries=self.cfg.shard_retries)
 
     def _decode(self, sample: dict, epoch: int, bad: BadData) -> tuple[torch.Tensor, str] | None:
-        url = sample["__url__"]
-        if "txt" not in sample:
-            bad.add("missing_caption", url)
+        caption = decode_caption(sample, bad)
+        if caption is None:
             return None
-        try:
-            caption = sample["txt"].decode("utf-8")
-        except UnicodeDecodeError:
-            bad.add("bad_caption", url)
-            return None
-        rng = random.Random(f"crop-{self.seed}-{epoch}-{url}-{sample['__key__']}")
-        try:
-            pixels = decode_pixels(sample, self.cfg.frames, self.image_size, rng, self.cfg.crop_scale_min,
-                                   self.cfg.max_image_pixels, self.cfg.hflip, preprocess=self.preprocess)
-            return pixels, caption
-        except KeyError:
-            bad.add("missing_image", url)
-            return None
-        except TooFewFrames:
-            raise
-        except OversizedImage as err:
-            log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
-            bad.add("oversized_image", url)
-            return None
-        except Exception as err:  # PIL raises many types for broken files; any of them means skip this one
-            log.debug("skipping %s in %s: %s", sample.get("__key__"), url, err)
-            bad.add("corrupt_image", url)
-            return None
+        rng = random.Random(f"crop-{self.seed}-{epoch}-{sample['__url__']}-{sample['__key__']}")
+        pixels = decode_sample_pixels(sample, bad, frames=self.cfg.frames, size=self.image_size, rng=rng,
+                                      scale_min=self.cfg.crop_scale_min, max_pixels=self.cfg.max_image_pixels,
+                                      flip=self.cfg.hflip, preprocess=self.preprocess)
+        return None if pixels is None else (pixels, caption)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -306,49 +316,161 @@ class TrainLoader:
         self.bad = list(state["bad"])
 
 
+# One unit of held-out data: (its place in the set, a shard URL or an image file, the file's class index or -1).
+EvalUnit = tuple[int, str, int]
+
+
+def sample_label(sample: dict, bad: BadData) -> int | None:
+    """A labelled sample's class index (`json`'s "label", or a `cls` member as webdataset's ImageNet shards
+    have), -1 without a label, None for a label that does not parse (counted as `bad_label`)."""
+    try:
+        if "json" in sample:
+            return int(json.loads(sample["json"]).get("label", -1))
+        if "cls" in sample:
+            return int(sample["cls"].decode("ascii"))
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+        bad.add("bad_label", sample["__url__"])
+        return None
+    return -1
+
+
 class EvalStream(IterableDataset):
-    """One ordered pass over held-out shards: images (or clips) through the deterministic transform, tokens and
-    class labels."""
+    """One ordered pass over units of held-out data (shards, or the files of an image folder): images (or clips)
+    through the deterministic transform of `preprocess`, tokens when `captions`, class labels, and each sample's
+    place in the whole set (`order`: shard index << 32 | index in the shard, or the file's index), so that shares
+    read by several ranks and workers can be put back in the set's order. Bad samples are skipped and counted as in
+    training; every worker ends with an item holding only its counts ({"worker", "bad"})."""
 
-    def __init__(self, shards: list[str], *, batch_size: int, image_size: int, context_length: int, frames: int = 0,
-                 max_image_pixels: int | None = None, preprocess: Preprocess):
-        self.shards, self.batch_size, self.frames, self.preprocess = shards, batch_size, frames, preprocess
-        self.image_size, self.context_length, self.max_image_pixels = image_size, context_length, max_image_pixels
+    def __init__(self, units: list[EvalUnit], *, folder: bool, captions: bool, batch_size: int, image_size: int,
+                 context_length: int, frames: int, max_image_pixels: int | None, retries: int,
+                 preprocess: Preprocess):
+        self.units, self.folder, self.captions, self.batch_size = units, folder, captions, batch_size
+        self.image_size, self.context_length, self.frames = image_size, context_length, frames
+        self.max_image_pixels, self.retries, self.preprocess = max_image_pixels, retries, preprocess
 
-    def _batch(self, images: list, captions: list, labels: list) -> dict:
-        return {
-            "images": default_collate(images), "tokens": tokenize(captions, self.context_length),
-            "labels": torch.tensor(labels),
-        }
+    def _samples(self, units: list[EvalUnit], bad: BadData) -> Iterator[tuple[int, dict, int | None]]:
+        for index, path, label in units:
+            if not self.folder:
+                for offset, sample in enumerate(read_shard(path, bad, self.retries)):
+                    yield (index << 32) | offset, sample, sample_label(sample, bad)
+                continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as err:
+                log.warning("skipping %s: %s", path, err)
+                bad.add("unreadable_file", path)
+                continue
+            # Under any image key: the decoder reads the format from the bytes (PIL), as it does for shards.
+            yield index, {"jpg": data, "__url__": path, "__key__": path}, label
+
+    def _batch(self, images: list, captions: list, labels: list, order: list, worker: int, bad: BadData) -> dict:
+        batch = {"images": default_collate(images), "labels": torch.tensor(labels), "order": torch.tensor(order),
+                 "worker": worker, "bad": dict(bad.counts)}
+        if self.captions:
+            batch["tokens"] = tokenize(captions, self.context_length)
+        return batch
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
-        shards = self.shards[info.id :: info.num_workers] if info is not None else self.shards
-        images, captions, labels = [], [], []
-        for sample in read_samples(shards):
-            images.append(decode_pixels(sample, self.frames, self.image_size, None, 1.0, self.max_image_pixels,
-                                        preprocess=self.preprocess))
-            captions.append(sample["txt"].decode("utf-8"))
-            labels.append(json.loads(sample["json"]).get("label", -1) if "json" in sample else -1)
+        worker = info.id if info is not None else 0
+        units = self.units[info.id :: info.num_workers] if info is not None else self.units
+        bad = BadData()
+        images, captions, labels, order = [], [], [], []
+        for place, sample, label in self._samples(units, bad):
+            caption = decode_caption(sample, bad) if self.captions else ""
+            if caption is None or label is None:
+                continue
+            pixels = decode_sample_pixels(sample, bad, frames=self.frames, size=self.image_size, rng=None,
+                                          scale_min=1.0, max_pixels=self.max_image_pixels, flip=False,
+                                          preprocess=self.preprocess)
+            if pixels is None:
+                continue
+            images.append(pixels)
+            captions.append(caption)
+            labels.append(label)
+            order.append(place)
             if len(images) == self.batch_size:
-                yield self._batch(images, captions, labels)
-                images, captions, labels = [], [], []
+                yield self._batch(images, captions, labels, order, worker, bad)
+                images, captions, labels, order = [], [], [], []
         if images:
-            yield self._batch(images, captions, labels)
+            yield self._batch(images, captions, labels, order, worker, bad)
+        yield {"worker": worker, "bad": dict(bad.counts)}
+
+
+class EvalBatches:
+    """The batches of one pass over held-out data; `bad_counts()` then holds what it skipped, by reason."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self.bad: dict[int, dict[str, int]] = {}
+        self._items: Iterator[dict] | None = None
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        if self._items is None:
+            with start_workers():
+                self._items = iter(self.loader)
+        while True:
+            item = next(self._items)
+            self.bad[item["worker"]] = item["bad"]
+            if "images" in item:
+                return item
+
+    def bad_counts(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for counts in self.bad.values():
+            total.update(counts)
+        return dict(total)
+
+
+def eval_loader(units: list[EvalUnit], *, folder: bool, captions: bool, batch_size: int, image_size: int,
+                context_length: int, num_workers: int, frames: int, max_image_pixels: int | None,
+                retries: int, preprocess: Preprocess) -> EvalBatches:
+    stream = EvalStream(units, folder=folder, captions=captions, batch_size=batch_size, image_size=image_size,
+                        context_length=context_length, frames=frames, max_image_pixels=max_image_pixels,
+                        retries=retries, preprocess=preprocess)
+    loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(units)),
+                        worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()))
+    return EvalBatches(loader)
 
 
 def eval_batches(
     pattern: str, *, batch_size: int, image_size: int, context_length: int, num_workers: int, frames: int = 0,
-    max_image_pixels: int | None = None, preprocess: Preprocess,
-) -> Iterator[dict]:
-    """One ordered pass over held-out shards: images (or clips of `frames` middle frames), tokens, labels.
-    `max_image_pixels` (data.max_image_pixels) refuses larger images; None leaves only PIL's own limit.
+    max_image_pixels: int | None = None, retries: int = 0, captions: bool = True, rank: int = 0,
+    world_size: int = 1, key: str = "data.eval_shards", preprocess: Preprocess,
+) -> EvalBatches:
+    """One ordered pass over held-out shards: images (or clips of `frames` middle frames), tokens (when
+    `captions`), labels. `max_image_pixels` (data.max_image_pixels) refuses larger images; None leaves only PIL's
+    own limit. `rank` of `world_size` reads every world_size-th shard. `key` names the pattern in errors.
     `preprocess`: the run's (`Preprocess.from_config(cfg.data)`), of which evaluation takes the interpolation and
     resize mode and no augmentation."""
-    shards = expand_shards(pattern, key="data.eval_shards")
-    stream = EvalStream(shards, batch_size=batch_size, image_size=image_size, context_length=context_length,
-                        frames=frames, max_image_pixels=max_image_pixels, preprocess=preprocess)
-    loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(shards)),
-                        worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()))
-    with start_workers():
-        return iter(loader)
+    shards = expand_shards(pattern, key=key)
+    units = [(index, url, -1) for index, url in enumerate(shards)][rank::world_size]
+    return eval_loader(units, folder=False, captions=captions, batch_size=batch_size, image_size=image_size,
+                       context_length=context_length, num_workers=num_workers, frames=frames,
+                       max_image_pixels=max_image_pixels, retries=retries, preprocess=preprocess)
+
+
+def image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """The class directories (sorted) and the (file, class index) pairs of an image tree root/<class>/<file>,
+    as torchvision's ImageFolder finds them (its image extensions, sorted)."""
+    from torchvision.datasets import ImageFolder
+
+    tree = ImageFolder(root)
+    return tree.classes, tree.samples
+
+
+def eval_folder_batches(
+    samples: list[tuple[str, int]], *, batch_size: int, image_size: int, num_workers: int,
+    max_image_pixels: int | None, rank: int = 0, world_size: int = 1, preprocess: Preprocess,
+) -> EvalBatches:
+    """One ordered pass over the files of an image folder (`image_folder`'s pairs): images through the
+    deterministic transform of `preprocess`, and their labels, no tokens. `rank` of `world_size` reads every
+    world_size-th file."""
+    units = [(index, path, label) for index, (path, label) in enumerate(samples)][rank::world_size]
+    return eval_loader(units, folder=True, captions=False, batch_size=batch_size, image_size=image_size,
+                       context_length=0, num_workers=num_workers, frames=0, max_image_pixels=max_image_pixels,
+                       retries=0, preprocess=preprocess)

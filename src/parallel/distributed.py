@@ -148,6 +148,23 @@ def all_gather_columns(x: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     return torch.cat(shares, dim=1)
 
 
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate the `x` of every rank of `group` (default: all ranks) along dim 0, without gradient; the ranks'
+    row counts may differ (each is padded to the largest for the collective)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x
+    world = dist.get_world_size(group)
+    count = torch.tensor([x.shape[0]], device=x.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    rows = [int(c) for c in counts]
+    padded = x.new_zeros((max(rows), *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    shares = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(shares, padded, group=group)
+    return torch.cat([share[:n] for share, n in zip(shares, rows)])
+
+
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         x = x.clone()

@@ -15,7 +15,8 @@ from src.trainer.siglip_loss import siglip_loss
 
 # (image features, text features, logit scale, logit bias or None) -> this rank's loss. The mean over the ranks
 # is the single-process loss of the global batch, and DDP's averaged gradients are its gradients.
-ContrastiveLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (image features, text features, logit scale, logit bias or None, process group or None) -> loss
+ContrastiveLoss = Callable[..., torch.Tensor]
 
 
 def _local_labels(rows: int, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
@@ -57,13 +58,14 @@ def pair_loss(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
 
 
 def _clip_loss_without_bias(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
-                            logit_bias: torch.Tensor | None) -> torch.Tensor:
+                            logit_bias: torch.Tensor | None, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     if logit_bias is not None:  # preflight refuses the combination; a model built by hand may still have one
         raise ValueError("loss=clip's softmax ignores a bias added to every logit, so the model's logit_bias would "
                          "get no gradient: build the model with model.init_logit_bias=null, or use loss=siglip")
-    return clip_loss(image_features, text_features, logit_scale)
+    return clip_loss(image_features, text_features, logit_scale, group)
 
 
 def contrastive_loss(cfg: LossConfig) -> ContrastiveLoss:
-    """The loss `loss.name` names, called as loss(image_features, text_features, logit_scale, logit_bias)."""
+    """The loss `loss.name` names, called as loss(image_features, text_features, logit_scale, logit_bias, group),
+    over the ranks of `group` (default: all)."""
     return {"clip": _clip_loss_without_bias, "siglip": siglip_loss}[cfg.name]

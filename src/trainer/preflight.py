@@ -18,13 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 from src.config import LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
-from src.data.loader import check_batch_size, resolve_sources
+from src.data.loader import check_batch_size, image_folder, resolve_sources
 from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
+from src.trainer.evaluate import EvalSet, class_prompts, eval_sets, listed_sets
 from src.trainer.grad_cache import check_accum_steps
 from src.trainer.memory import available_memory, check_memory, estimate_memory
 from src.trainer.pretrained import (
@@ -111,6 +112,8 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("spikes.attribution_min", lambda v: v >= 0, "0 or more"),
     ("spikes.attribution_max", lambda v: v >= 0, "0 or more"),
     ("spikes.alert_wait_s", lambda v: v >= 0, "0 or more"),
+    ("eval.every", lambda v: v >= 0, "0 (end only) or more"),
+    ("eval.batch_size", lambda v: v >= 1, "at least 1"),
     # np.random.seed takes 32 bits, and each rank seeds with trainer.seed + its rank.
     ("trainer.seed", lambda v: 0 <= v < 2**31, "in [0, 2**31)"),
     ("trainer.max_steps", lambda v: v >= 1, "at least 1"),
@@ -118,8 +121,6 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("trainer.log_every", lambda v: v >= 1, "at least 1"),
     ("trainer.ckpt_every", lambda v: v >= 0, "0 (end only) or more"),
     ("trainer.keep_last_k", lambda v: v >= 1, "at least 1"),
-    ("trainer.eval.every", lambda v: v >= 0, "0 (end only) or more"),
-    ("trainer.eval.batch_size", lambda v: v >= 1, "at least 1"),
     ("trainer.preempt_deadline_s", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("trainer.max_nonfinite_steps", lambda v: v is None or v >= 0, "0 or more (or null)"),
     ("trainer.accum_steps", lambda v: v >= 1, "at least 1 (1: no accumulation)"),
@@ -206,14 +207,50 @@ def readable(path: str) -> str | None:
     return None
 
 
-def check_eval_shards(pattern: str) -> None:
+def check_eval_shards(pattern: str, key: str = "data.eval_shards") -> None:
     """The held-out shards exist and open: the evaluation otherwise fails at its first step, after training steps
     and before that step's checkpoint."""
-    shards = expand_shards(pattern, key="data.eval_shards")
+    shards = expand_shards(pattern, key=key)
     unreadable = [f"{shard!r} ({why})" for shard in shards if is_local(shard) and (why := readable(shard))]
     if unreadable:
-        raise FileNotFoundError(f"data.eval_shards: {len(unreadable)} of {len(shards)} shards cannot be read: "
+        raise FileNotFoundError(f"{key}: {len(unreadable)} of {len(shards)} shards cannot be read: "
                                 f"{', '.join(unreadable[:3])}: fix their permissions or the pattern")
+
+
+def check_eval_set(eval_set: EvalSet) -> None:
+    """A set of eval.zeroshot, eval.retrieval or eval.val_loss: its image folder lists images in class directories
+    (torchvision's ImageFolder), or its shards open; a zero-shot set has its class names and templates."""
+    if eval_set.folder and eval_set.captions:
+        raise ValueError(f"{eval_set.key}.shards={eval_set.path!r} is a directory: retrieval and the validation loss "
+                         "need image-text shards")
+    if eval_set.folder:
+        try:
+            image_folder(eval_set.path)
+        except (FileNotFoundError, OSError) as err:
+            raise FileNotFoundError(f"{eval_set.key}.path={eval_set.path!r} is not an image folder "
+                                    f"root/<class>/<image> ({err})") from None
+    else:
+        check_eval_shards(eval_set.path, f"{eval_set.key}.{'path' if eval_set.zeroshot else 'shards'}")
+    if eval_set.zeroshot:
+        try:
+            class_prompts(eval_set)
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{eval_set.key}: the classes.json beside {eval_set.path!r} holds no class list "
+                             f"({type(err).__name__}: {err}): write {{\"classes\": [names]}}") from None
+
+
+def check_eval_lists(cfg: TrainConfig) -> None:
+    """The lists of evaluation sets belong to an image run and give each set one name."""
+    if (cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.val_loss) and cfg.data.frames:
+        raise ValueError("eval.zeroshot, eval.retrieval and eval.val_loss list image-text sets, but video fine-tuning "
+                         "(data.frames > 0) evaluates data.eval_shards only: empty the lists")
+    eval_sets(cfg)
+
+
+def eval_set_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
+    """The lists, then each listed set by itself (data.eval_shards has its own checks)."""
+    entries = [] if cfg.data.frames else listed_sets(cfg)
+    return [lambda: check_eval_lists(cfg), *(functools.partial(check_eval_set, s) for s in entries)]
 
 
 def check_classes(pattern: str) -> None:
@@ -226,18 +263,18 @@ def check_classes(pattern: str) -> None:
         return
     path = os.path.join(os.path.dirname(first), "classes.json")
     fix = (f"write {path} ({{\"classes\": [names], \"templates\": [optional prompts]}}) or set "
-           "trainer.eval.zeroshot=false")
+           "eval.held_out.zeroshot=false")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"trainer.eval.zeroshot=true needs classes.json beside data.eval_shards, and {path} "
+        raise FileNotFoundError(f"eval.held_out.zeroshot=true needs classes.json beside data.eval_shards, and {path} "
                                 f"does not exist: {fix}")
     try:
         with open(path) as f:
             classes = json.load(f)["classes"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"trainer.eval.zeroshot=true: {path} cannot be read as a class list "
+        raise ValueError(f"eval.held_out.zeroshot=true: {path} cannot be read as a class list "
                          f"({type(err).__name__}: {err}): {fix}") from None
     if not isinstance(classes, list) or not classes:
-        raise ValueError(f"trainer.eval.zeroshot=true: {path} holds no classes: {fix}")
+        raise ValueError(f"eval.held_out.zeroshot=true: {path} holds no classes: {fix}")
 
 
 def check_init_from(spec: str, model: ModelConfig) -> None:
@@ -269,8 +306,9 @@ def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
         lambda: data.generate or resolve_sources(data),
         lambda: data.generate or not data.eval_shards or check_eval_shards(data.eval_shards),
         # Video evaluation has no zero-shot classification.
-        lambda: (data.generate or not data.eval_shards or data.frames or not cfg.trainer.eval.zeroshot
+        lambda: (data.generate or not data.eval_shards or data.frames or not cfg.eval.held_out.zeroshot
                  or check_classes(data.eval_shards)),
+        *eval_set_checks(cfg),
         lambda: not cfg.model.init_from or check_init_from(cfg.model.init_from, cfg.model),
         lambda: check_loggers(cfg.logger),
     ]

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,7 +37,7 @@ from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.ema import EMA_FILE, ModelEMA
-from src.trainer.evaluate import evaluate
+from src.trainer.evaluate import eval_sets, evaluate
 from src.trainer.grad_cache import Features, FeaturesFn, FeaturesLoss, accumulate_gradients
 from src.trainer.loss import contrastive_loss
 from src.trainer.metrics import MetricLogger
@@ -147,8 +148,9 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
         )
     normalize = image_normalizer(cfg, device)
     contrastive = contrastive_loss(cfg.loss)
-    # Under FSDP2 every forward needs every rank's shards, so all ranks evaluate the same data and rank 0 logs.
-    sharded = shards_model(cfg, dist_info)
+    sets = eval_sets(cfg)
+    # The validation loss runs on rank 0 alone, over a group of that one rank (creating it takes every rank).
+    solo_group = dist.new_group([0]) if dist_info.world_size > 1 else None
 
     def features(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> Features:
         """The model's outputs: image and text features, logit scale, and the logit bias of loss=siglip."""
@@ -156,28 +158,30 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
         tokens = batch["tokens"].to(device, non_blocking=True)
         return forward_model(images, tokens)
 
-    def features_loss(outputs: Features) -> torch.Tensor:
-        # (image features, text features, logit scale) and, when the model has one (loss=siglip), the logit bias.
+    def features_loss(outputs: Features, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The loss of a batch's outputs over the ranks of `group`: training's, and the validation loss.
+        (image features, text features, logit scale) and, when the model has one (loss=siglip), the logit bias."""
         image_features, text_features, logit_scale, *logit_bias = outputs
         return contrastive(image_features.float(), text_features.float(), logit_scale.float(),
-                           logit_bias[0].float() if logit_bias else None)
+                           logit_bias[0].float() if logit_bias else None, group)
 
     def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return features_loss(features(forward_model, batch))
 
     def evaluate_images(model: nn.Module, autocast: Callable) -> dict[str, float] | None:
-        """On rank 0 only (or every rank under FSDP2), on the unwrapped model."""
-        if not (dist_info.is_main or sharded):
-            return None
+        """On every rank, each encoding its share of each set, on the unwrapped model; rank 0 gets the results."""
+        def val_loss(image_features, text_features, group):
+            bias = () if model.logit_bias is None else (model.logit_bias.detach().cpu(),)
+            return features_loss((image_features, text_features, model.logit_scale.detach().exp().cpu(), *bias), group)
+
         with unsharded_root(model):
-            results = evaluate(
-                model, cfg.data.eval_shards, batch_size=cfg.trainer.eval.batch_size,
-                image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
-                num_workers=cfg.data.num_workers, device=device, prepare_images=normalize, autocast=autocast,
-                zeroshot=cfg.trainer.eval.zeroshot, retrieval=cfg.trainer.eval.retrieval,
-                preprocess=Preprocess.from_config(cfg.data),
+            return evaluate(
+                model, sets, loss=val_loss, batch_size=cfg.eval.batch_size, image_size=cfg.model.vision.image_size,
+                context_length=cfg.model.text.context_length, num_workers=cfg.data.num_workers,
+                max_image_pixels=cfg.data.max_image_pixels, retries=cfg.data.shard_retries, device=device,
+                prepare_images=normalize, autocast=autocast, lockstep=shards_model(cfg, dist_info),
+                solo_group=solo_group, is_main=dist_info.is_main, preprocess=Preprocess.from_config(cfg.data),
             )
-        return results if dist_info.is_main else None
 
     return TrainParts(model, loader, loss, evaluate_images, spike_parameter(model, forward_order(image_tower(model))),
                       features, features_loss)
@@ -229,6 +233,8 @@ class Trainer:
             per_rank={"data": self.loader, "rng": RNGState()},
             files={EMA_FILE: self.ema} if self.ema is not None else {},
         )
+        # Held-out data, or a set of eval.zeroshot / retrieval / val_loss, to evaluate on.
+        self.evaluates = bool(cfg.data.eval_shards or cfg.eval.zeroshot or cfg.eval.retrieval or cfg.eval.val_loss)
         self.checkpoints = os.path.join(run_dir, "checkpoints")
         self.resumed_from: str | None = None  # the checkpoint directory this run resumed from
         if cfg.trainer.resume:
@@ -334,8 +340,9 @@ class Trainer:
                 self.check_zero_gradient(records)
                 pending, window_start, window_steps = [], time.perf_counter(), 0
                 self.check_nonfinite()
-            evaluate_now = cfg.eval.every > 0 and self.progress.step % cfg.eval.every == 0
-            evaluate_now = bool(self.cfg.data.eval_shards) and (evaluate_now or self.progress.step == cfg.max_steps)
+            every = self.cfg.eval.every
+            evaluate_now = every > 0 and self.progress.step % every == 0
+            evaluate_now = self.evaluates and (evaluate_now or self.progress.step == cfg.max_steps)
             # A step's checkpoint comes before its evaluation and records that the evaluation is owed: a crash or a
             # failure in the evaluation then loses no training, and the resumed run evaluates first. On a stop
             # signal the evaluation (it can take long) is left to the resumed run.

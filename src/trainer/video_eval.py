@@ -31,18 +31,21 @@ def retrieval_metrics(similarity: torch.Tensor, prefix: str) -> dict[str, float]
 def evaluate_video(
     model: VideoCLIP, eval_pattern: str, *, frames: slice, total_frames: int, batch_size: int, image_size: int,
     context_length: int, num_workers: int, device: torch.device, prepare_images: Callable[[torch.Tensor], torch.Tensor],
-    autocast, group: dist.ProcessGroup | None = None, preprocess: Preprocess,
+    autocast, max_image_pixels: int | None, retries: int, group: dist.ProcessGroup | None = None,
+    preprocess: Preprocess,
 ) -> dict[str, float]:
     """Every rank of `group` (a sequence-parallel group) calls this with its share `frames` of each clip's
     frames; all get the results. Clips are scored against every held-out caption: by the model's head
     (eval/t2v_r1, ...) and by the frame-averaged CLIP embedding, the mean-pooling baseline
-    (eval/meanpool_t2v_r1, ...; for a model without a head this is its only score, eval/t2v_r1, ...)."""
+    (eval/meanpool_t2v_r1, ...; for a model without a head this is its only score, eval/t2v_r1, ...). Clips that
+    cannot be read are skipped and counted as eval/bad/<reason>."""
     was_training = model.training
     model.eval()
     visual, videos, queries, weights, texts = [], [], [], [], []
-    for batch in eval_batches(eval_pattern, batch_size=batch_size, image_size=image_size,
-                              context_length=context_length, num_workers=num_workers, frames=total_frames,
-                              preprocess=preprocess):
+    batches = eval_batches(eval_pattern, batch_size=batch_size, image_size=image_size, context_length=context_length,
+                           num_workers=num_workers, frames=total_frames, max_image_pixels=max_image_pixels,
+                           retries=retries, preprocess=preprocess)
+    for batch in batches:
         with autocast():
             clip_tokens, video = model.encode_video(
                 prepare_images(batch["images"][:, frames].to(device)), frames.start, group)
@@ -54,6 +57,7 @@ def evaluate_video(
         texts.append(text.float())
     video, text = torch.cat(videos), torch.cat(texts)
     mean_pool = retrieval_metrics((video @ text.T).cpu(), "meanpool_" if model.head is not None else "")
+    mean_pool.update({f"eval/bad/{reason}": n for reason, n in sorted(batches.bad_counts().items())})
     if model.head is None:
         model.train(was_training)
         return mean_pool

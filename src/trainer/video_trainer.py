@@ -86,10 +86,10 @@ def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
             return None
         results = evaluate_video(
             model, cfg.data.eval_shards, frames=frame_slice, total_frames=cfg.data.frames,
-            batch_size=cfg.trainer.eval.batch_size, image_size=cfg.model.vision.image_size,
+            batch_size=cfg.eval.batch_size, image_size=cfg.model.vision.image_size,
             context_length=cfg.model.text.context_length, num_workers=cfg.data.num_workers, device=device,
-            prepare_images=normalize, autocast=autocast, group=mesh.sp_group,
-            preprocess=Preprocess.from_config(cfg.data),
+            prepare_images=normalize, autocast=autocast, max_image_pixels=cfg.data.max_image_pixels,
+            retries=cfg.data.shard_retries, group=mesh.sp_group, preprocess=Preprocess.from_config(cfg.data),
         )
         return results if dist_info.is_main else None
 

@@ -28,7 +28,7 @@ def run_args(shapes: dict[str, str], run_dir, *extra: str) -> list[str]:
         "experiment=quickstart", *data_overrides(shapes), f"trainer.run_dir={run_dir}", "trainer.progress=false",
         f"data.batch_size={BATCH}", "data.num_workers=1", "data.shuffle_buffer=50", "data.crop_scale_min=0.5",
         "model.vision.patch_dropout=0.25", "optim.warmup_steps=5", f"trainer.max_steps={STEPS}",
-        f"trainer.ckpt_every={CKPT_EVERY}", f"trainer.eval.every={EVAL_EVERY}", "trainer.keep_last_k=1",
+        f"trainer.ckpt_every={CKPT_EVERY}", f"eval.every={EVAL_EVERY}", "trainer.keep_last_k=1",
         "trainer.log_every=1", "trainer.resume=latest", *extra,
     ]
 

@@ -99,7 +99,7 @@ def test_missing_and_unreadable_inputs_are_found_before_the_first_step(shapes, t
     assert f"model.init_from='{tmp_path}/pretrained' names no checkpoint" in unreadable
     assert f"data.eval_shards: 1 of 2 shards cannot be read: '{eval_dir}/eval-000001.tar' (Permission denied)" \
         in unreadable
-    assert f"trainer.eval.zeroshot=true needs classes.json beside data.eval_shards, and {eval_dir}/classes.json" \
+    assert f"eval.held_out.zeroshot=true needs classes.json beside data.eval_shards, and {eval_dir}/classes.json" \
         in unreadable
     missing = refused([*args, f"data.eval_shards='{tmp_path}/nowhere/eval-{{000000..000001}}.tar'"],
                       tmp_path / "log2.txt")

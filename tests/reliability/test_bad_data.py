@@ -36,7 +36,7 @@ def shard(root: str, i: int) -> str:
 
 def bad_data_run(shapes: dict[str, str], root: str, log: str, *extra: str) -> Training:
     run_dir = os.path.join(root, "run")
-    args = run_args(shapes, run_dir, "data.shard_retries=0", "trainer.eval.every=0", *extra)
+    args = run_args(shapes, run_dir, "data.shard_retries=0", "eval.every=0", *extra)
     return Training(args, os.path.join(root, log), wrapper=DROP_FILE_CAPABILITIES)
 
 
@@ -78,7 +78,7 @@ def test_failing_pipe_commands_are_retried_counted_and_skipped(own_shapes):
     os.remove(shard(root, 1))
     midway = f"pipe:head -c {os.path.getsize(shard(root, 6)) // 2} {shard(root, 6)}; exit 1"
     pipes = {**shapes, "shards": f"pipe:cat {root}/train/train-{{000000..000005}}.tar::{midway}::{shard(root, 7)}"}
-    args = run_args(pipes, run_dir, "data.allow_pipe=true", "data.shard_retries=1", "trainer.eval.every=0",
+    args = run_args(pipes, run_dir, "data.allow_pipe=true", "data.shard_retries=1", "eval.every=0",
                     "trainer.max_steps=30")
     training = Training(args, os.path.join(root, "1.log"))
     training.finish()

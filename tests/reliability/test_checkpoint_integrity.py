@@ -83,7 +83,7 @@ def test_latest_skips_damaged_checkpoints_and_the_run_resumes_exactly(shapes, ba
 @pytest.mark.slow
 def test_an_explicit_damaged_checkpoint_stops_the_run_naming_the_file(shapes, tmp_path):
     run_dir = tmp_path / "run"
-    train(run_args(shapes, run_dir, "trainer.stop_at_step=4", "trainer.eval.every=0"), tmp_path / "1.log")
+    train(run_args(shapes, run_dir, "trainer.stop_at_step=4", "eval.every=0"), tmp_path / "1.log")
     good = run_dir / "checkpoints" / "step_00000004"
     cases = {  # damage -> what the message must say; the size check fails in preflight, the checksum at the resume
         "truncated": (lambda d: truncate(d / "model.pt"), f"{good.parent / 'truncated' / 'model.pt'} is truncated"),

@@ -39,7 +39,7 @@ def test_workers_and_pipe_commands_die_with_a_sigkilled_trainer(tmp_path):
     shapes = {"shards": f"pipe:cat {train}; sleep 600", "eval_shards": held_out}
     run_dir = tmp_path / "run"
     args = run_args(shapes, run_dir, "data.allow_pipe=true", "data.num_workers=2", "data.shuffle_buffer=1",
-                    "trainer.eval.every=0")
+                    "eval.every=0")
     training = Training(args, tmp_path / "log.txt")
     session = training.proc.pid  # the harness starts it in a session of its own
     try:

@@ -15,7 +15,7 @@ from tests.reliability.harness import LEDGER, Training, read_metrics, run_args, 
 
 def test_a_second_run_on_a_busy_run_directory_stops_at_once(shapes, tmp_path):
     run_dir = tmp_path / "run"
-    args = run_args(shapes, run_dir, "trainer.eval.every=0")
+    args = run_args(shapes, run_dir, "eval.every=0")
     first = Training(args, tmp_path / "1.log", env={"STABLECLIP_FAULT_PAUSE": "step@6",
                                                     "STABLECLIP_FAULT_PAUSE_S": "300"})
     try:
