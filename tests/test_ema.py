@@ -42,7 +42,7 @@ def test_the_ema_after_each_step_is_the_hand_computed_lerp(shapes, tmp_path):
 
 
 def test_a_resumed_run_with_an_ema_matches_the_uninterrupted_one_and_exports_it(shapes, tmp_path, caplog):
-    common = ["trainer.ema_decay=0.5", "trainer.max_steps=6", "trainer.ckpt_every=3", "trainer.eval.every=0"]
+    common = ["trainer.ema_decay=0.5", "trainer.max_steps=6", "trainer.ckpt_every=3", "eval.every=0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     small_trainer(shapes, straight, *common, evaluate=True).fit()
     small_trainer(shapes, resumed, *common, "trainer.stop_at_step=3").fit()

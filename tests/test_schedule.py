@@ -98,7 +98,7 @@ def test_the_resume_line_says_what_a_longer_run_does_to_each_schedule():
 def test_a_const_cooldown_run_extended_on_resume_moves_its_cooldown_to_the_new_end(shapes, tmp_path, caplog):
     run_dir = tmp_path / "run"
     common = ["optim.schedule=const_cooldown", "optim.cooldown_steps=3", "optim.warmup_steps=2", "optim.lr=1e-3",
-              "trainer.ckpt_every=4", "trainer.eval.every=0"]
+              "trainer.ckpt_every=4", "eval.every=0"]
     small_trainer(shapes, run_dir, *common, "trainer.max_steps=8", "trainer.stop_at_step=4").fit()
     with caplog.at_level(logging.WARNING, logger="src.trainer.trainer"):
         small_trainer(shapes, run_dir, *common, "trainer.max_steps=12", "trainer.resume=latest").fit()
