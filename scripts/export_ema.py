@@ -3,7 +3,8 @@
     python scripts/export_ema.py RUN/checkpoints/step_N OUT/model.pt
 
 The checkpoint's ema.pt is verified against its manifest first. The file written holds the model's state dict
-(parameter names as OpenCLIP's), which `model.init_from=OUT/model.pt` takes. Exit code 0 on success, 1 when the
+(our layout, layer-scale included), which `model.init_from=OUT/model.pt` takes; for an OpenCLIP model file, use
+`scripts/export_openclip.py CHECKPOINT -o model.safetensors --ema`. Exit code 0 on success, 1 when the
 checkpoint has no EMA or fails verification.
 """
 

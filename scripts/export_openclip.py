@@ -1,13 +1,14 @@
 """Export a checkpoint's model as an OpenCLIP model file, for open_clip and the tools built on it (clip_benchmark).
 
-    python scripts/export_openclip.py RUN_DIR/checkpoints/step_N -o model.safetensors
+    python scripts/export_openclip.py RUN_DIR/checkpoints/step_N -o model.safetensors [--ema]
 
 The checkpoint is verified against its manifest; the model's settings come from the run's config.yaml. Layer-scale
 is folded into the weights it scales, so the file holds a plain OpenCLIP CLIP (`open_clip.create_model_and_transforms
 (NAME, pretrained="model.safetensors")` loads it strictly and computes the same embeddings). The script prints NAME:
 the open_clip architecture of the model, or, for one open_clip does not ship, the name of a model config JSON it
-writes beside the file (register it with `open_clip.add_model_config(PATH)` first). A .bin or .pt output is a
-torch state dict instead of safetensors.
+writes beside the file (register it with `open_clip.add_model_config(PATH)` first). `--ema` exports the weights'
+EMA (`ema.pt`, of a run with trainer.ema_decay set) instead of the weights. A .bin or .pt output is a torch state
+dict instead of safetensors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from src.models.openclip_interop import to_openclip_state_dict
 from src.openclip_architectures import matching_architecture, openclip_model_config
 from src.trainer.checkpoint import CheckpointError, load_torch_file
+from src.trainer.ema import EMA_FILE
 from src.trainer.pretrained import model_file
 
 
@@ -39,9 +41,15 @@ def run_config(weights: str) -> dict:
                          "directory (RUN_DIR/checkpoints/step_N)") from err
 
 
-def export(checkpoint: str, output: str) -> str:
-    """Write the checkpoint's model to `output` and return its open_clip architecture name."""
+def export(checkpoint: str, output: str, ema: bool = False) -> str:
+    """Write the checkpoint's model (or its EMA) to `output` and return its open_clip architecture name."""
     weights = model_file(checkpoint)  # verified against the checkpoint's manifest
+    if ema:
+        averaged = os.path.join(os.path.dirname(weights), f"{EMA_FILE}.pt")
+        if not os.path.isfile(averaged):
+            raise FileNotFoundError(f"{os.path.dirname(weights)} holds no {EMA_FILE}.pt: its run had "
+                                    "trainer.ema_decay=null (drop --ema, or give a checkpoint of a run with an EMA)")
+        weights = model_file(averaged)
     model = run_config(weights)
     state = to_openclip_state_dict(load_torch_file(weights))
     name = matching_architecture(model)
@@ -60,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (or a run directory: its newest checkpoint)")
     parser.add_argument("-o", "--output", required=True, help="the model file: .safetensors (or .bin/.pt)")
+    parser.add_argument("--ema", action="store_true", help="export the weights' EMA (trainer.ema_decay) instead")
     args = parser.parse_args(argv)
     try:
-        name = export(args.checkpoint, args.output)
+        name = export(args.checkpoint, args.output, args.ema)
     except (CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

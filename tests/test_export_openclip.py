@@ -21,7 +21,7 @@ def test_a_trained_checkpoint_exports_to_open_clip_with_the_same_embeddings(shap
     run_dir = tmp_path / "run"
     run_train(["experiment=quickstart", *data_overrides(shapes), "data.eval_shards=null", f"trainer.run_dir={run_dir}",
                "trainer.progress=false", "data.batch_size=8", "data.num_workers=0", "trainer.max_steps=20",
-               "trainer.log_every=10", "model.ls_init_value=0.1"])  # layer-scale on, to be folded
+               "trainer.log_every=10", "model.ls_init_value=0.1", "trainer.ema_decay=0.9"])  # layer-scale, to fold
     output = tmp_path / "export" / "tiny-clip.safetensors"
     output.parent.mkdir()
     result = subprocess.run([sys.executable, "scripts/export_openclip.py", str(run_dir / "checkpoints/step_00000020"),
@@ -29,13 +29,22 @@ def test_a_trained_checkpoint_exports_to_open_clip_with_the_same_embeddings(shap
     assert result.returncode == 0, result.stderr
     assert "open_clip architecture tiny-clip" in result.stdout and "add_model_config" in result.stdout
 
+    averaged = tmp_path / "export" / "tiny-clip-ema.safetensors"
+    result = subprocess.run([sys.executable, "scripts/export_openclip.py", str(run_dir / "checkpoints/step_00000020"),
+                             "-o", str(averaged), "--ema"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
     open_clip.add_model_config(str(output.parent / "tiny-clip.json"))
     try:
         theirs, _, _ = open_clip.create_model_and_transforms("tiny-clip", pretrained=str(output))
+        their_ema = open_clip.create_model("tiny-clip", pretrained=str(averaged))
     finally:  # open_clip's registry is the process's: leave it as the other tests expect it
         open_clip.factory._MODEL_CONFIGS.pop("tiny-clip")
         buildable_architectures.cache_clear()
     assert not any(name.endswith(".gamma") for name in theirs.state_dict())
+    ema = load_torch_file(str(run_dir / "checkpoints/step_00000020/ema.pt"))
+    assert torch.equal(their_ema.visual.conv1.weight, ema["visual.conv1.weight"])
+    assert not torch.equal(their_ema.visual.conv1.weight, theirs.visual.conv1.weight)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(compose_config(["experiment=quickstart"])),
                                               OmegaConf.load(run_dir / "config.yaml"))).model
     ours = build_model(cfg)

@@ -93,7 +93,8 @@ class ModelEMA:
 
 def export_ema(checkpoint_dir: str, out: str) -> str:
     """Write the EMA weights of the checkpoint `checkpoint_dir` (a checkpoints/step_N directory) as `out`, a
-    model.pt that `model.init_from` and OpenCLIP's `load_state_dict` take. Returns `out`."""
+    model.pt that `model.init_from` takes (scripts/export_openclip.py --ema writes an OpenCLIP model file). Returns
+    `out`."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"{checkpoint_dir} is not a checkpoint directory: give a checkpoints/step_N directory")
     source = os.path.join(checkpoint_dir, f"{EMA_FILE}.pt")
