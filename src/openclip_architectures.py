@@ -34,10 +34,14 @@ def buildable_architectures() -> tuple[str, ...]:
     return tuple(name for name in open_clip.list_models() if not unbuildable_keys(open_clip.get_model_config(name)))
 
 
-@functools.cache
 def architecture(name: str) -> dict[str, Any]:
     """Our model keys for the open_clip architecture `name`, with open_clip's own defaults (CLIPVisionCfg,
-    CLIPTextCfg) for the keys its JSON leaves out."""
+    CLIPTextCfg) for the keys its JSON leaves out. A new dict each call: the caller may change it."""
+    return dict(read_architecture(name))
+
+
+@functools.cache
+def read_architecture(name: str) -> dict[str, Any]:
     import open_clip
     from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
