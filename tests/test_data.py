@@ -403,13 +403,14 @@ def test_a_pipe_command_that_succeeds_but_fails_in_the_end_is_counted(shapes):
 
 
 def test_a_pipe_command_is_stopped_with_its_children_when_reading_stops(tmp_path, shapes):
-    """The reader stops early (its quota, the end of training): the command and what it started are killed, not
-    left running."""
+    """The reader stops early (its quota, the end of training), mid-shard: the command and what it started are
+    killed, not left running. (The sleeper starts first, with its output elsewhere: the samples read before the
+    stop need not wait for it.)"""
     url = expand_shards(shapes["shards"])[0]
     pid_file = tmp_path / "sleeper"
-    command = f"pipe:cat {url}; sleep 300 & echo $! > {pid_file}; wait"
+    command = f"pipe:sleep 300 > /dev/null & echo $! > {pid_file}; cat {url}; wait"
     samples = reader_module.read_shard(command, reader_module.BadData(), 0)
-    for _ in range(100):
+    for _ in range(50):
         next(samples)
     deadline = time.monotonic() + 10
     while not (pid_file.exists() and pid_file.read_text().strip()):
