@@ -58,4 +58,4 @@ def test_workers_and_pipe_commands_die_with_a_sigkilled_trainer(tmp_path):
         for pid in session_processes(session):
             os.kill(pid, signal.SIGKILL)
         training.wait()
-    LEDGER.append(("10 trainer SIGKILLed (workers, pipe: commands)", 1, 0, 0))
+    LEDGER.append(("16 trainer SIGKILLed (workers, pipe: commands)", 1, 0, 0))
