@@ -55,12 +55,17 @@ def export(checkpoint: str, output: str, ema: bool = False) -> str:
     name = matching_architecture(model)
     if name is None:  # open_clip names a model config by its file's stem
         name = os.path.splitext(os.path.basename(output))[0]
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(os.path.join(os.path.dirname(os.path.abspath(output)), f"{name}.json"), "w") as f:
             json.dump(openclip_model_config(model), f, indent=1)
+    # Written beside the output, then renamed: an interrupted export leaves no partial file under its name.
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    partial = output + ".tmp"
     if output.endswith(".safetensors"):
-        save_file({k: v.contiguous() for k, v in state.items()}, output)
+        save_file({k: v.contiguous() for k, v in state.items()}, partial)
     else:
-        torch.save(state, output)
+        torch.save(state, partial)
+    os.replace(partial, output)
     return name
 
 

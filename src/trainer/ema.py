@@ -45,8 +45,7 @@ class ModelEMA:
     """The EMA of `model`'s parameters, a stateful part of the checkpoint (TrainState's `files`)."""
 
     def __init__(self, model: nn.Module, decay: float):
-        if not 0 < decay < 1:
-            raise ValueError(f"trainer.ema_decay={decay} is out of range: set it in (0, 1), e.g. 0.9999")
+        """`decay` in (0, 1): preflight checks trainer.ema_decay's range."""
         self.model, self.decay = model, decay
         # Frozen parameters (a locked tower, the video run's frozen blocks) are their own average: no copy of them.
         self.parameters = [p for p in model.parameters() if p.requires_grad]
