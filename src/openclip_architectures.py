@@ -15,6 +15,9 @@ from typing import Any
 VISION_KEYS = {"image_size", "layers", "width", "patch_size", "head_width", "mlp_ratio"}
 TEXT_KEYS = {"context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio"}
 TOP_KEYS = {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu"}
+# The model keys (configs/model/base.yaml) an architecture sets, per tower.
+MODEL_KEYS = {"vision": ("image_size", "patch_size", "width", "layers", "heads", "mlp_ratio"),
+              "text": ("context_length", "vocab_size", "width", "layers", "heads", "mlp_ratio")}
 
 
 def unbuildable_keys(config: dict) -> list[str]:
@@ -81,8 +84,7 @@ def openclip_model_config(model: dict) -> dict:
         "vision_cfg": {"image_size": vision["image_size"], "layers": vision["layers"], "width": vision["width"],
                        "patch_size": vision["patch_size"], "head_width": vision["width"] // vision["heads"],
                        "mlp_ratio": vision["mlp_ratio"]},
-        "text_cfg": {key: text[key] for key in ("context_length", "vocab_size", "width", "heads", "layers",
-                                                 "mlp_ratio")},
+        "text_cfg": {key: text[key] for key in MODEL_KEYS["text"]},
     }
     if model.get("init_logit_bias") is not None:
         config["init_logit_bias"] = model["init_logit_bias"]
@@ -94,7 +96,6 @@ def matching_architecture(model: dict) -> str | None:
     if model.get("init_logit_bias") is not None:
         return None  # open_clip's ViTs with a logit bias have timm towers, which we do not build
     ours = {"embed_dim": model["embed_dim"], "quick_gelu": bool(model["quick_gelu"]),
-            **{f"{tower}.{key}": float(value) if key == "mlp_ratio" else value
-               for tower in ("vision", "text") for key, value in model[tower].items()
-               if f"{tower}.{key}" in architecture("ViT-B-32")}}
+            **{f"{tower}.{key}": float(model[tower][key]) if key == "mlp_ratio" else model[tower][key]
+               for tower, keys in MODEL_KEYS.items() for key in keys}}
     return next((name for name in buildable_architectures() if architecture(name) == ours), None)
