@@ -52,6 +52,7 @@ from src.models.clip import build_model  # noqa: E402
 from src.parallel.distributed import DistInfo  # noqa: E402
 from src.tools.synthetic_shapes import make_synthetic_shapes  # noqa: E402
 from src.trainer.cuda_graph import WARMUP_STEPS  # noqa: E402
+from src.trainer.fast_path import resolve_fast_path  # noqa: E402
 from src.trainer.loss import contrastive_loss  # noqa: E402
 from src.trainer.memory import estimate_memory  # noqa: E402
 from src.trainer.preflight import preflight  # noqa: E402
@@ -179,11 +180,11 @@ def make_shards(directory: str, samples: int, image_size: int) -> str:
     return pattern
 
 
-def check_warmup(cfg, warmup: int) -> None:
-    """With trainer.cuda_graph=true the first WARMUP_STEPS steps run eagerly and the next one records the graph:
-    timed steps must all be replays."""
-    if cfg.trainer.cuda_graph and warmup <= WARMUP_STEPS:
-        raise ValueError(f"--warmup {warmup} would time ordinary steps and the capture of trainer.cuda_graph=true, "
+def check_warmup(cfg, warmup: int, device: torch.device) -> None:
+    """With a recorded step (trainer.cuda_graph true, or auto on one GPU) the first WARMUP_STEPS steps run eagerly
+    and the next one records the graph: timed steps must all be replays."""
+    if resolve_fast_path(cfg, device, world_size=1).cuda_graph and warmup <= WARMUP_STEPS:
+        raise ValueError(f"--warmup {warmup} would time ordinary steps and the capture of the recorded step, "
                          f"which records its graph at step {WARMUP_STEPS + 1}: pass --warmup {WARMUP_STEPS + 1} "
                          "or more")
 
@@ -198,7 +199,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     base += ["data=laion_wds", "data.mode=resampled"] if end_to_end else ["data=synthetic_shapes",
                                                                           "data.generate=true"]
     cfg = compose_config(base + [token for token in overrides if not token.startswith(MODULE_SETTING)])
-    check_warmup(cfg, args.warmup)
+    check_warmup(cfg, args.warmup, device)
     if end_to_end:
         cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()

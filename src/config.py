@@ -366,8 +366,11 @@ class TrainerConfig:
     resume: str | None
     run_dir: str | None
     device: Device
-    compile: bool
-    cuda_graph: bool
+    # true | false | auto (src/trainer/fast_path.py), checked by preflight's RANGES. Typed Any: Hydra 1.3 cannot
+    # compose a Union[bool, str] field inside a nested schema (hydra issues #2502, #2738), and an Enum would refuse
+    # the command line's `true`, which Hydra parses as a bool.
+    compile: Any
+    cuda_graph: Any
     dry_run: bool
     progress: bool
     resume_required: bool

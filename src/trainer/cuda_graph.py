@@ -21,9 +21,12 @@ works unchanged (an lr baked into a graph would stop following the schedule).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 3  # eager steps before capture: compilation and lazy kernel set-up happen in the first one or two
 
@@ -57,13 +60,15 @@ class GraphedForwardBackward:
     """Calls `forward_backward(batch)` eagerly for `warmup` calls, then captures it once and replays it.
 
     `capture` records a callable and returns (replay, outputs): `capture_cuda_graph` on a GPU; tests pass a
-    stand-in that re-runs the callable."""
+    stand-in that re-runs the callable. `eager_on_failure` (`trainer.cuda_graph=auto`): a step that cannot be
+    recorded runs eagerly from then on, with one log line, instead of stopping the run."""
 
     def __init__(self, forward_backward: Callable[[dict[str, torch.Tensor]], StepOutputs],
                  parameters: list[torch.nn.Parameter], device: torch.device, warmup: int = WARMUP_STEPS,
-                 capture: Callable = capture_cuda_graph):
+                 capture: Callable = capture_cuda_graph, eager_on_failure: bool = False):
         self.forward_backward, self.parameters, self.device = forward_backward, parameters, device
-        self.warmup, self.capture = warmup, capture
+        self.warmup, self.capture, self.eager_on_failure = warmup, capture, eager_on_failure
+        self.eager = False  # recording failed under eager_on_failure: every step runs eagerly
         self.calls = 0
         self.replay: Callable[[], None] | None = None
         self.static_batch: dict[str, torch.Tensor] = {}
@@ -75,7 +80,7 @@ class GraphedForwardBackward:
 
     def __call__(self, batch: dict) -> StepOutputs:
         self.calls += 1
-        if self.calls <= self.warmup:
+        if self.calls <= self.warmup or self.eager:
             return self.forward_backward(batch)
         if self.replay is None:
             # The step reads tensors only; the rest (sample keys, loader positions) is bookkeeping for the host.
@@ -87,6 +92,13 @@ class GraphedForwardBackward:
             try:
                 self.replay, self.static_outputs = self.capture(lambda: self.forward_backward(self.static_batch))
             except RuntimeError as error:
+                if self.eager_on_failure:
+                    log.warning("trainer.cuda_graph=auto: the training step could not be recorded as a CUDA graph "
+                                "(%s); it runs eagerly from here on", error)
+                    self.eager, self.static_batch = True, {}
+                    for p in self.parameters:  # whatever the failed recording left behind
+                        p.grad = None
+                    return self.forward_backward(batch)
                 raise RuntimeError(
                     "trainer.cuda_graph=true: the training step could not be recorded as a CUDA graph; something "
                     f"in it waits for the host or changes shape ({error}). Set trainer.cuda_graph=false"

@@ -26,6 +26,7 @@ from src.parallel.mesh import check_sp_size
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import check_cuda_graph
 from src.trainer.evaluate import EvalSet, class_prompts, eval_sets, listed_sets
+from src.trainer.fast_path import AUTO
 from src.trainer.grad_cache import check_accum_steps
 from src.trainer.memory import available_memory, check_memory, estimate_memory
 from src.trainer.pretrained import (
@@ -125,6 +126,8 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("trainer.max_nonfinite_steps", lambda v: v is None or v >= 0, "0 or more (or null)"),
     ("trainer.accum_steps", lambda v: v >= 1, "at least 1 (1: no accumulation)"),
     ("trainer.ema_decay", lambda v: v is None or 0 < v < 1, "in (0, 1), e.g. 0.9999 (or null: no EMA)"),
+    ("trainer.compile", lambda v: isinstance(v, bool) or v == AUTO, "true, false or auto"),
+    ("trainer.cuda_graph", lambda v: isinstance(v, bool) or v == AUTO, "true, false or auto"),
 )
 # (keys, holds for valid values, the rule in words): ranges that depend on another key.
 RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
@@ -324,10 +327,11 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: check_data_parallel(cfg.trainer.data_parallel, video),
         lambda: check_heads(model, video),
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
-        lambda: not cfg.trainer.cuda_graph or check_cuda_graph(dist_info.device, dist_info.world_size,
-                                                               cfg.precision.scaler),
+        # `auto` records only where a recording works (src/trainer/fast_path.py): only `true` can be refused.
+        lambda: cfg.trainer.cuda_graph is not True or check_cuda_graph(dist_info.device, dist_info.world_size,
+                                                                       cfg.precision.scaler),
         lambda: check_accum_steps(cfg.trainer.accum_steps, cfg.data.batch_size, dist_info.world_size, video,
-                                  cfg.trainer.cuda_graph),
+                                  cfg.trainer.cuda_graph is True),
         lambda: checkpoint.find_resume(
             os.path.join(run_dir, "checkpoints"), cfg.trainer.resume, cfg.trainer.resume_required,
             rank=dist_info.rank, checksums=False,

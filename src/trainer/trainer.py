@@ -38,6 +38,7 @@ from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.ema import EMA_FILE, ModelEMA
 from src.trainer.evaluate import eval_sets, evaluate
+from src.trainer.fast_path import resolve_compile, resolve_fast_path
 from src.trainer.grad_cache import Features, FeaturesFn, FeaturesLoss, accumulate_gradients
 from src.trainer.loss import contrastive_loss
 from src.trainer.metrics import MetricLogger
@@ -127,7 +128,8 @@ def spike_parameter(model: nn.Module, visual_path: list[nn.Parameter]) -> str:
 
 def image_normalizer(cfg: TrainConfig, device: torch.device) -> ImageNormalizer:
     return ImageNormalizer(device, mean=cfg.data.image_mean, std=cfg.data.image_std,
-                           dtype=autocast_dtype(cfg.precision.dtype) or torch.float32, compile=cfg.trainer.compile)
+                           dtype=autocast_dtype(cfg.precision.dtype) or torch.float32,
+                           compile=resolve_compile(cfg, device)[0])
 
 
 def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | None = None) -> TrainParts:
@@ -195,10 +197,13 @@ class Trainer:
         self.device = dist_info.device
         self.autocast_dtype = autocast_dtype(cfg.precision.dtype)
         self.preemption = Preemption(cfg.trainer.preempt_deadline_s)
+        self.fast_path = resolve_fast_path(cfg, self.device, dist_info.world_size)
+        if dist_info.is_main:
+            log.info(self.fast_path.summary())
         self.sharded = shards_model(cfg, dist_info)
         self.parts = build_parts(cfg, dist_info)
         self.model, self.loader = self.parts.model, self.parts.loader
-        if cfg.trainer.compile:
+        if self.fast_path.compile:
             apply_compile(self.model)
         # The same seed on every rank gave identical initial weights; per-rank streams from here on.
         torch.manual_seed(cfg.trainer.seed + dist_info.rank)
@@ -215,8 +220,9 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model, per_tensor_skips=self.scaler.skips_tensors,
                                          depths=layer_depths(self.model))
         self.graphed = None
-        if cfg.trainer.cuda_graph:
-            self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device)
+        if self.fast_path.cuda_graph:
+            self.graphed = GraphedForwardBackward(self.forward_backward, list(self.model.parameters()), self.device,
+                                                  eager_on_failure=self.fast_path.cuda_graph_auto)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         # After FSDP2's sharding: each rank then averages its own shards.
         self.ema = ModelEMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None

@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from src.trainer import checkpoint, trainer  # noqa: E402
+from src.trainer.fast_path import AUTO  # noqa: E402
 from src.trainer.state import SHARED_FILES  # noqa: E402
 
 STEP_TMP = re.compile(r"step_(\d+)\.tmp$")
@@ -50,8 +51,11 @@ def pause_at(pause: str | None, seconds: float):
 
 
 def check_no_recorded_step(cfg) -> None:
-    """A recorded step would hold the fault of the step it was recorded at, and replay it at every step."""
-    if cfg.trainer.cuda_graph:
+    """A recorded step would hold the fault of the step it was recorded at, and replay it at every step: `auto`
+    is turned off, an explicit `true` refused."""
+    if cfg.trainer.cuda_graph == AUTO:
+        cfg.trainer.cuda_graph = False
+    if cfg.trainer.cuda_graph is True:
         raise ValueError("trainer.cuda_graph=true would record the injected fault's step once and replay it: unset "
                          "STABLECLIP_FAULT_LOSS and STABLECLIP_FAULT_GRAD, or set trainer.cuda_graph=false")
 
