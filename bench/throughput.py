@@ -1,12 +1,14 @@
 """Training throughput of our Trainer's step, and OpenCLIP's step measured in the same call.
 
     python bench/throughput.py --model vit_b32 --batch 1024 [--set trainer.compile=true ...]
-        [--end-to-end] [--peer .bench-peer/openclip_step.py] [--json out.json]
+        [--end-to-end] [--train-py STEPS] [--peer .bench-peer/openclip_step.py] [--json out.json]
 
 Each configuration builds the real `Trainer` (the code `train.py` runs) and times `Trainer.train_step`:
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
-  (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`.
+  (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`;
+- `--train-py STEPS`: `train.py` itself, the card's command (`--train-py-set`, default `optim=stable_adamw`: no
+  performance flags) on the same shards, at the rate its training log reports, beside the best configuration.
 It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`, the GPU
 sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on it, which a
 profile's timeline tells apart), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
@@ -35,6 +37,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -249,6 +252,31 @@ def run_peer(args) -> dict:
         return json.load(f)
 
 
+def run_train_py(args) -> dict:
+    """`--train-py`: the product's own command, `train.py model=M optim=stable_adamw data=laion_wds ...` with no
+    performance flags, on the --end-to-end shards; its rate is what the training log reports (`train/samples_per_s`
+    of metrics.jsonl: one figure per logging window, sync to sync), the median over the windows after the first
+    half of the run (compilation, the graph's capture and the prefetched batches are in the first)."""
+    run_dir = tempfile.mkdtemp(prefix="train-py-")
+    shards = make_shards(args.shards_dir, args.samples, compose_config([f"model={args.model}"]).model.vision.image_size)
+    command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
+               "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
+               f"trainer.max_steps={args.train_py}", f"trainer.log_every={TRAIN_PY_LOG_EVERY}", "trainer.ckpt_every=0",
+               "trainer.progress=false", f"trainer.device={args.device}", f"trainer.run_dir={run_dir}"]
+    subprocess.run(command, check=True, cwd=ROOT)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(run_dir)  # its checkpoint is a whole model's
+    windows = {r["step"] // TRAIN_PY_LOG_EVERY: r["train/samples_per_s"] for r in records
+               if "train/samples_per_s" in r and r["step"] >= args.train_py // 2}
+    rates = sorted(windows.values())
+    return {"impl": "train.py", "model": args.model, "batch": args.batch, "command": " ".join(command[1:]),
+            "samples_per_s": rates[len(rates) // 2], "windows": len(rates), "min": rates[0], "max": rates[-1]}
+
+
+TRAIN_PY_LOG_EVERY = 5
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="vit_b32", help="a configs/model/ name")
@@ -267,6 +295,12 @@ def main() -> int:
                              "while compiling")
     parser.add_argument("--e2e-seconds", type=float, default=30.0,
                         help="--end-to-end: the timed window (at least --steps steps)")
+    parser.add_argument("--train-py", type=int, default=0, metavar="STEPS",
+                        help="also run train.py itself for STEPS steps on the --end-to-end shards and report the rate "
+                             "its log gives, against the best end-to-end (else compute-only) configuration")
+    parser.add_argument("--train-py-set", default="optim=stable_adamw",
+                        help="--train-py's overrides besides model, data and run length (default: the card's "
+                             "command, no performance flags)")
     parser.add_argument("--peer", help="path of OpenCLIP's openclip_step.py, run in this call")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, print the ROWS most expensive ops of three profiled steps")
@@ -299,6 +333,16 @@ def main() -> int:
                 row["peak_vs_openclip"] = row["peak_gib"] / peer["peak_gib"] if row["peak_gib"] else None
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.train_py:
+        row = run_train_py(args)
+        timed = [r for r in rows if r["end_to_end"]] or rows
+        best = max(timed, key=lambda r: r["samples_per_s"])
+        row.update(best_overrides=best["overrides"], best_end_to_end=best["end_to_end"],
+                   vs_best=row["samples_per_s"] / best["samples_per_s"])
+        if peer:
+            row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "matmul_ceiling_tflops": ceiling, "peer": peer, "rows": rows}

@@ -13,16 +13,22 @@ def test_throughput_bench_smoke_run(tmp_path):
     command = [sys.executable, "bench/throughput.py", "--device", "cpu", "--model", "vit_tiny", "--batch", "8",
                "--steps", "2", "--warmup", "1", "--end-to-end", "--samples", "64",
                "--e2e-warmup-seconds", "0", "--e2e-seconds", "0",
-               "--shards-dir", str(tmp_path / "shards"), "--json", str(out),
+               "--shards-dir", str(tmp_path / "shards"), "--json", str(out), "--train-py", "4",
                "--set", "trainer.log_every=1 py:src.kernels.residual_norm.ROWS=16"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    *rows, train_py = json.loads(out.read_text())["rows"]
     assert [row["end_to_end"] for row in rows] == [False, True]
     assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)
     for row in rows:
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
+    # The card's command itself, at its log's rate, beside the best end-to-end configuration of the same run.
+    assert train_py["impl"] == "train.py"
+    assert train_py["command"].startswith("train.py model=vit_tiny optim=stable_adamw data=laion_wds")
+    assert "trainer.compile" not in train_py["command"] and "cuda_graph" not in train_py["command"]
+    assert train_py["best_end_to_end"] and train_py["windows"] == 1
+    assert train_py["vs_best"] == pytest.approx(train_py["samples_per_s"] / rows[1]["samples_per_s"])
 
 
 def test_timing_a_recorded_step_needs_warmup_past_the_capture():

@@ -328,7 +328,7 @@ class Trainer:
         cfg = self.cfg.trainer
         end = cfg.max_steps if cfg.stop_at_step is None else min(cfg.stop_at_step, cfg.max_steps)
         pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
-        window_start, window_steps = time.perf_counter(), 0
+        window_start = time.perf_counter()
         if self.progress.eval_pending:
             self.run_eval()
             self.progress.eval_pending = False
@@ -338,13 +338,11 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[-1]
             pending.append((self.progress.step, lr, self.train_step(batch)))
             self.progress.step += 1
-            window_steps += 1
             stop = self.preemption.requested()
             if stop or self.progress.step % cfg.log_every == 0 or self.progress.step == end:
-                elapsed = time.perf_counter() - window_start
-                records = self.flush_metrics(pending, self.cfg.data.batch_size * window_steps / elapsed)
+                records, window_start = self.flush_metrics(pending, window_start)
                 self.check_zero_gradient(records)
-                pending, window_start, window_steps = [], time.perf_counter(), 0
+                pending = []
                 self.check_nonfinite()
             every = self.cfg.eval.every
             evaluate_now = every > 0 and self.progress.step % every == 0
@@ -398,15 +396,20 @@ class Trainer:
             "varied length; a global batch of one sample has nothing to contrast either (raise data.batch_size)"
         )
 
-    def flush_metrics(self, pending: list, samples_per_s: float) -> list[dict]:
+    def flush_metrics(self, pending: list, window_start: float) -> tuple[list[dict], float]:
         """The one host sync of a logging window: all of its per-step values come over at once. Returns the
-        window's records."""
+        window's records and the window's end. The window runs from the previous window's sync to this one's, so
+        the rate counts every second of the run: timed before the sync, it would leave out the steps the GPU had
+        still queued (the host runs ahead), and overstate the rate."""
         names = list(pending[0][2])
         values = torch.stack([torch.stack([v[n].float() for n in names]) for _, _, v in pending])
         values[:, names.index("loss")] = all_reduce_mean(values[:, names.index("loss")])
+        rows = values.tolist()  # waits for the window's steps
+        window_end = time.perf_counter()
+        samples_per_s = self.cfg.data.batch_size * len(pending) / (window_end - window_start)
         bad_data = self.loader.bad_counts()  # this rank's, cumulative
         records = []
-        for (step, lr, _), row in zip(pending, values.tolist()):
+        for (step, lr, _), row in zip(pending, rows):
             record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
             record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
             record.update({f"data/bad/{reason}": n for reason, n in bad_data.items()})
@@ -420,7 +423,7 @@ class Trainer:
             records.append({"step": step, **record})
         self.metrics.flush(self.progress.step,
                            {"loss": record["train/loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
-        return records
+        return records, window_end
 
     def detect_spikes(self, step: int, record: dict) -> dict:
         events = self.spikes.update(step, record["train/loss"], record.get("optim/rms/patch_embed"))
