@@ -11,7 +11,7 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
   performance flags) on the same shards, at the rate its training log reports, beside the best configuration.
 It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`, the GPU
 sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on it, which a
-profile's timeline tells apart), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
+profile's timeline tells apart), the optimizer state's size (`optimizer_state_gib`), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
 compilation does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with
 preflight's estimate beside it, `estimate_gib`: src/trainer/memory.py), and the
 caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU). With
@@ -224,6 +224,10 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
         "host_ms": host_seconds * 1e3,
         "tflops": flops / seconds / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        # The optimizer's own tensors (moments; bitsandbytes' 8-bit states and their block scales).
+        "optimizer_state_gib": sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                                   for t in state.values() if torch.is_tensor(t)) / 2**30,
         # What preflight expects (src/trainer/memory.py), beside the peak it is a lower bound of.
         "estimate_gib": estimate_memory(cfg, 1).total / 2**30,
         # Times the caching allocator ran out, freed its cache and retried (warm-up and timed steps): each waits
