@@ -2,6 +2,7 @@
 evaluations (zero-shot top-1 and retrieval R@1 of every evaluation set) when the run has them.
 
 Usage: python scripts/plot_run.py RUN_DIR [RUN_DIR ...] [-o OUT.png]
+       python scripts/plot_run.py --summary RUN_DIR [RUN_DIR ...]   # one line of figures per run, no plot
 
 Each RUN_DIR holds metrics.jsonl and optionally spikes.jsonl (events of src.trainer.spikes) and
 config.yaml (for spikes.rms_threshold and optim.name). Several runs overlay, one colour per run.
@@ -42,6 +43,7 @@ class Run:
     metrics: list[dict[str, Any]]
     spikes: list[dict[str, Any]] = field(default_factory=list)
     rms_threshold: float = DEFAULT_RMS_THRESHOLD
+    batch_size: int | None = None
 
     def series(self, key: str, positive: bool = False) -> tuple[list[float], list[float]]:
         """(steps, values) of the lines with a numeric `key`, sorted by step.
@@ -95,6 +97,9 @@ def load_run(run_dir: Path) -> Run:
         threshold = _lookup(config, "spikes.rms_threshold")
         if _is_number(threshold):
             run.rms_threshold = float(threshold)
+        batch_size = _lookup(config, "data.batch_size")
+        if _is_number(batch_size):
+            run.batch_size = int(batch_size)
         optim_name = _lookup(config, "optim.name")
         if optim_name:
             run.label += f" ({optim_name})"
@@ -213,18 +218,54 @@ def plot(runs: list[Run], out: Path) -> None:
     fig.savefig(out)
 
 
+def summary(run: Run) -> dict[str, Any]:
+    """A run's figures: steps, the mean loss of its last 10 logged steps, the detector's counts (spikes.jsonl),
+    the share of loss spikes preceded by a patch-embedding RMS spike, the last zero-shot top-1 and the median
+    step time over the run's second half (the first windows include compilation)."""
+    steps, losses = run.series(LOSS)
+    loss_events = [e for e in run.spikes if e.get("type") == "loss"]
+    preceded = sum(bool(e.get("preceded_by_rms_spike")) for e in loss_events)
+    top1 = run.series("eval/zeroshot_top1")[1]
+    rate_steps, rates = run.series("train/samples_per_s", positive=True)
+    late = sorted(r for s, r in zip(rate_steps, rates) if s > rate_steps[-1] / 2) if rates else []
+    final = [x for x in losses[-10:] if math.isfinite(x)]
+    return {
+        "run": run.label, "steps": int(steps[-1]) if steps else 0,
+        "final_loss": sum(final) / len(final) if final else None,
+        "loss_spikes": len(loss_events), "rms_spikes": sum(e.get("type") == "rms" for e in run.spikes),
+        "preceded": preceded, "preceded_share": preceded / len(loss_events) if loss_events else None,
+        "zeroshot_top1": top1[-1] if top1 else None,
+        "samples_per_s": late[len(late) // 2] if late else None,
+        "step_ms": 1000 * run.batch_size / late[len(late) // 2] if late and run.batch_size else None,
+    }
+
+
+def format_summary(row: dict[str, Any]) -> str:
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+    return "  ".join(f"{k}={fmt(v)}" for k, v in row.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument(
         "-o", "--output", type=Path, help="PNG path (default: RUN_DIR/plot.png or ./runs.png)"
     )
+    parser.add_argument("--summary", action="store_true",
+                        help="print each run's figures (final loss, spike counts, zero-shot top-1, step time); "
+                             "plot only with -o")
     args = parser.parse_args(argv)
     try:
         runs = [load_run(d) for d in args.run_dirs]
     except RunError as e:
         print(f"plot_run: error: {e}", file=sys.stderr)
         return 2
+    if args.summary:
+        for run in runs:
+            print(format_summary(summary(run)))
+        if args.output is None:
+            return 0
     out = args.output or (args.run_dirs[0] / "plot.png" if len(runs) == 1 else Path("runs.png"))
     plot(runs, out)
     print(out)

@@ -180,3 +180,22 @@ def test_evaluations_get_a_zero_shot_and_a_retrieval_panel(tmp_path):
     plot_run.plot([no_eval], tmp_path / "without.png")
     (_, with_height), (_, without_height) = check_png(tmp_path / "with_eval.png"), check_png(tmp_path / "without.png")
     assert with_height - without_height == 500  # two panels of 2.5 inches at 100 dpi
+
+
+def test_summary_gives_the_runs_figures(tmp_path, capsys):
+    run_dir = write_run(tmp_path / "adamw", "adamw")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:  # the first half's windows include compilation: slower, left out of the step time
+        if "train/loss" in row:
+            row["train/samples_per_s"] = 100.0 if row["step"] < 150 else 400.0 + row["step"] % 3
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "config.yaml").write_text((run_dir / "config.yaml").read_text() + "data:\n  batch_size: 2048\n")
+    row = plot_run.summary(plot_run.load_run(run_dir))
+    losses = [5.0 * math.exp(-s / 150) for s in range(282, 300, 2)]  # the last 10 lines; step 300's NaN left out
+    assert row["steps"] == 300 and row["final_loss"] == pytest.approx(sum(losses) / len(losses))
+    assert (row["loss_spikes"], row["rms_spikes"], row["preceded"], row["preceded_share"]) == (2, 1, 1, 0.5)
+    assert row["zeroshot_top1"] == pytest.approx(250 / 300)
+    assert row["samples_per_s"] == 401.0 and row["step_ms"] == pytest.approx(1000 * 2048 / 401.0)
+    assert plot_run.main(["--summary", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "loss_spikes=2" in out and "preceded_share=0.5" in out and not (run_dir / "plot.png").exists()
