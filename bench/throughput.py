@@ -11,11 +11,12 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
   performance flags) on the same shards, at the rate its training log reports, beside the best configuration.
 It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`, the GPU
 sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on it, which a
-profile's timeline tells apart), the optimizer state's size (`optimizer_state_gib`), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so
-compilation does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with
-preflight's estimate beside it, `estimate_gib`: src/trainer/memory.py), and the
-caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the GPU). With
-`trainer.cuda_graph=true` only replays of the recorded step are timed (`--warmup` must reach past the capture), and
+profile's timeline tells apart), the optimizer state's size (`optimizer_state_gib`), TFLOP/s from
+`FlopCounterMode` (counted on a meta-device copy of the model, so compilation does not hide any op) and their share
+of a bf16 matmul measured in the same run, peak memory (with preflight's estimate beside it, `estimate_gib`:
+src/trainer/memory.py), and the caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the
+GPU). With a recorded step (`trainer.cuda_graph`, on by `auto` on one GPU) only replays of the recorded step are
+timed (`--warmup` must reach past the capture), and
 `host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
 (`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our rate over its rate;
 `--peer bench/peers/openclip_siglip_step.py` is OpenCLIP's step with its `SigLipLoss`, the peer of `loss=siglip`.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from src.parallel.distributed import DistInfo
-from src.trainer.cuda_graph import GraphedForwardBackward, check_cuda_graph
+from src.trainer.cuda_graph import GraphedForwardBackward, capture_cuda_graph, check_cuda_graph
 from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
 from tests.conftest import compose_config, data_overrides, run_train
@@ -117,3 +117,29 @@ def test_what_a_recorded_step_cannot_do_is_refused_with_the_fix(shapes, tmp_path
     # The reliability suite's fault injection (tests/reliability/launch.py) refuses to be recorded, too.
     with pytest.raises(ValueError, match="unset STABLECLIP_FAULT_LOSS"):
         check_no_recorded_step(cfg)
+
+
+def test_the_capture_lets_the_pin_memory_thread_go_on(monkeypatch):
+    """With the real loader a pin-memory thread pins the next batches during the capture; the capture must check
+    only its own thread's calls (a GPU run with the default mode lost that thread to
+    cudaErrorStreamCaptureUnsupported)."""
+    modes = []
+
+    class Graph:
+        replay = None
+
+    class Recording:
+        def __init__(self, graph, capture_error_mode="global"):
+            modes.append(capture_error_mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Recording)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _, outputs = capture_cuda_graph(lambda: {"loss": torch.ones(())})
+    assert modes == ["thread_local"] and outputs["loss"].item() == 1.0

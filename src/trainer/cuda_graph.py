@@ -38,7 +38,9 @@ def capture_cuda_graph(run: Callable[[], StepOutputs]) -> tuple[Callable[[], Non
     graph = torch.cuda.CUDAGraph()
     # Memory the eager warm-up steps freed into the cache would otherwise sit beside the graph's own pool.
     torch.cuda.empty_cache()
-    with torch.cuda.graph(graph):
+    # thread_local: only this thread's calls are checked. The DataLoader's pin-memory thread keeps pinning the next
+    # batches meanwhile; under the default ("global") its CUDA calls invalidate the capture and kill that thread.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = run()
     return graph.replay, outputs
 
