@@ -175,13 +175,18 @@ def print_profile(trainer: Trainer, rows: int, device: torch.device, trace: str 
         profiler.export_chrome_trace(trace)
 
 
-def make_shards(directory: str, samples: int, image_size: int) -> str:
-    """JPEG shards of generated images, larger than the model's input so the loader really crops."""
+def make_shards(directory: str, samples: int, pixels: int) -> str:
+    """JPEG shards of `samples` generated images of `pixels` a side (a folder per set), written once."""
+    directory = os.path.join(directory, f"n{samples}-px{pixels}")
     pattern = os.path.join(directory, "train", "train-{000000..000031}.tar")
     if not os.path.isfile(os.path.join(directory, "train", "sizes.json")):
-        make_synthetic_shapes(pattern, os.path.join(directory, "eval", "eval-000000.tar"), samples, 32,
-                              size=image_size * 8 // 7)
+        make_synthetic_shapes(pattern, os.path.join(directory, "eval", "eval-000000.tar"), samples, 32, size=pixels)
     return pattern
+
+
+def shard_pixels(args, image_size: int) -> int:
+    """--e2e-image-px, or by default larger than the model's input (256 for 224) so the loader really crops."""
+    return args.e2e_image_px or image_size * 8 // 7
 
 
 def check_warmup(cfg, warmup: int, device: torch.device) -> None:
@@ -205,7 +210,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     cfg = compose_config(base + [token for token in overrides if not token.startswith(MODULE_SETTING)])
     check_warmup(cfg, args.warmup, device)
     if end_to_end:
-        cfg.data.shards = make_shards(args.shards_dir, args.samples, cfg.model.vision.image_size)
+        cfg.data.shards = make_shards(args.shards_dir, args.samples, shard_pixels(args, cfg.model.vision.image_size))
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
     dist_info = DistInfo(0, 1, 0, device)
     preflight(cfg, dist_info, run_dir)  # what train.py refuses, before any work
@@ -222,6 +227,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     result = {
         "impl": "stableclip", "model": args.model, "batch": args.batch, "overrides": overrides,
         "end_to_end": end_to_end, "samples_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
+        "shard_px": shard_pixels(args, cfg.model.vision.image_size) if end_to_end else None,
         "host_ms": host_seconds * 1e3,
         "tflops": flops / seconds / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -263,7 +269,8 @@ def run_train_py(args) -> dict:
     of metrics.jsonl: one figure per logging window, sync to sync), the median over the windows after the first
     half of the run (compilation, the graph's capture and the prefetched batches are in the first)."""
     run_dir = tempfile.mkdtemp(prefix="train-py-")
-    shards = make_shards(args.shards_dir, args.samples, compose_config([f"model={args.model}"]).model.vision.image_size)
+    image_size = compose_config([f"model={args.model}"]).model.vision.image_size
+    shards = make_shards(args.shards_dir, args.samples, shard_pixels(args, image_size))
     command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
                "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
                f"trainer.max_steps={args.train_py}", f"trainer.log_every={TRAIN_PY_LOG_EVERY}", "trainer.ckpt_every=0",
@@ -295,6 +302,8 @@ def main() -> int:
     parser.add_argument("--end-to-end", action="store_true", help="also time each configuration on the real loader")
     parser.add_argument("--shards-dir", default=os.path.join(tempfile.gettempdir(), "throughput-shards"))
     parser.add_argument("--samples", type=int, default=20000, help="images written for --end-to-end")
+    parser.add_argument("--e2e-image-px", type=int, help="--end-to-end: the written images' side (default: 8/7 of "
+                                                          "the model's input, 256 px for 224; 768 for originals)")
     parser.add_argument("--e2e-warmup-seconds", type=float, default=30.0,
                         help="--end-to-end: steps run this long before the window, to drain batches prefetched "
                              "while compiling")

@@ -14,12 +14,13 @@ def test_throughput_bench_smoke_run(tmp_path):
                "--steps", "2", "--warmup", "1", "--end-to-end", "--samples", "64",
                "--e2e-warmup-seconds", "0", "--e2e-seconds", "0",
                "--shards-dir", str(tmp_path / "shards"), "--json", str(out), "--train-py", "4",
+               "--e2e-image-px", "40",
                "--set", "trainer.log_every=1 py:src.kernels.residual_norm.ROWS=16"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     *rows, train_py = json.loads(out.read_text())["rows"]
-    assert [row["end_to_end"] for row in rows] == [False, True]
+    assert [row["end_to_end"] for row in rows] == [False, True] and rows[1]["shard_px"] == 40
     assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)
     for row in rows:
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
