@@ -9,15 +9,16 @@ Each configuration builds the real `Trainer` (the code `train.py` runs) and time
   (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`;
 - `--train-py STEPS`: `train.py` itself, the card's command (`--train-py-set`, default `optim=stable_adamw`: no
   performance flags) on the same shards, at the rate its training log reports, beside the best configuration.
-It reports samples/s (median step time), the host's time to queue a step (`host_ms`: well under `step_ms`, the GPU
-sets the pace; near it, either the CPU does or the host has filled CUDA's launch queue and waits on it, which a
-profile's timeline tells apart), the optimizer state's size (`optimizer_state_gib`), TFLOP/s from
-`FlopCounterMode` (counted on a meta-device copy of the model, so compilation does not hide any op) and their share
-of a bf16 matmul measured in the same run, peak memory (with preflight's estimate beside it, `estimate_gib`:
-src/trainer/memory.py), and the caching allocator's flush-and-retry count (`alloc_retries`, each a wait for the
-GPU). With a recorded step (`trainer.cuda_graph`, on by `auto` on one GPU) only replays of the recorded step are
-timed (`--warmup` must reach past the capture), and
-`host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
+It reports samples/s (median step time, a sync after each step), the rate of steps run back to back with one sync at
+the end as train.py runs them (`pipelined_samples_per_s`: the host may then run ahead of the GPU), the host's time
+to queue a step (`host_ms`: well under `step_ms`, the GPU sets the pace; near it, either the CPU does or the host
+has filled CUDA's launch queue and waits on it, which a profile's timeline tells apart), the optimizer state's size
+(`optimizer_state_gib`), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so compilation
+does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with preflight's
+estimate beside it, `estimate_gib`: src/trainer/memory.py), and the caching allocator's flush-and-retry count
+(`alloc_retries`, each a wait for the GPU). With a recorded step (`trainer.cuda_graph`, on by `auto` on one GPU)
+only replays of the recorded step are timed (`--warmup` must reach past the capture), and `host_ms` is then the
+batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
 (`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our rate over its rate;
 `--peer bench/peers/openclip_siglip_step.py` is OpenCLIP's step with its `SigLipLoss`, the peer of `loss=siglip`.
 `--profile ROWS [--trace DIR]` prints the costliest kernels of three steps and writes their timeline
@@ -132,11 +133,12 @@ def median_seconds_and_host(fn, iters: int, warmup: int, device: torch.device) -
     return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
 
 
-def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -> tuple[float, float]:
+def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -> tuple[float, float, float]:
     def step():
         trainer.train_step(next(trainer.loader))
 
     seconds, host_seconds = median_seconds_and_host(step, iters=args.steps, warmup=args.warmup, device=device)
+    pipelined = pipelined_seconds(step, args.steps, device)
     if end_to_end:
         # A median hides loader stalls: the mean over a window of consecutive steps does not. Each worker builds
         # whole batches, so they arrive in rounds of `num_workers`, and the DataLoader holds up to 4 per worker,
@@ -152,7 +154,20 @@ def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -
             steps += 1
         synchronize(device)
         seconds = max(seconds, (time.perf_counter() - start) / steps)
-    return seconds, host_seconds
+    return seconds, host_seconds, pipelined
+
+
+def pipelined_seconds(step, steps: int, device: torch.device) -> float:
+    """The mean time of `steps` steps run back to back with one sync at the end, as train.py runs them (it syncs
+    once per logging window). The median above syncs after every step, so each step starts on an idle GPU: where
+    the host is slower than the GPU in stretches of a step, the GPU waits there, even if the host is faster over the
+    whole step and would otherwise have run ahead."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return (time.perf_counter() - start) / steps
 
 
 def print_profile(trainer: Trainer, rows: int, device: torch.device, trace: str | None, gpu_only: bool = False,
@@ -220,7 +235,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
-    seconds, host_seconds = time_steps(trainer, args, device, end_to_end)
+    seconds, host_seconds, pipelined = time_steps(trainer, args, device, end_to_end)
     if args.profile:
         print_profile(trainer, args.profile, device, trace, args.profile_gpu_only)
     flops = step_flops(cfg)
@@ -229,6 +244,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
         "end_to_end": end_to_end, "samples_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
         "shard_px": shard_pixels(args, cfg.model.vision.image_size) if end_to_end else None,
         "host_ms": host_seconds * 1e3,
+        "pipelined_samples_per_s": args.batch / pipelined, "pipelined_step_ms": pipelined * 1e3,
         "tflops": flops / seconds / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

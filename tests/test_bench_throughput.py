@@ -24,6 +24,7 @@ def test_throughput_bench_smoke_run(tmp_path):
     assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)
     for row in rows:
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
+        assert row["pipelined_samples_per_s"] == pytest.approx(8e3 / row["pipelined_step_ms"])
         # AdamW's two fp32 moments per parameter (the logit scale's and bias's included), and its step counts.
         assert 2 * 4 * row["params"] <= row["optimizer_state_gib"] * 2**30 <= 2 * 4 * row["params"] + 4096
     # The card's command itself, at its log's rate, beside the best end-to-end configuration of the same run.
