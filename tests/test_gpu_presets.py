@@ -42,7 +42,7 @@ def test_spike_demo_gpu_is_the_papers_setting_and_the_same_for_both_optimizers()
     adamw, stable = (compose_config(["experiment=spike_demo_gpu", f"optim={name}"]) for name in
                      ("adamw", "stable_adamw"))
     assert (adamw.model.name, adamw.model.vision.image_size, adamw.precision.dtype) == ("vit_b32", 224, "bf16")
-    assert adamw.data.batch_size >= 2048 and adamw.trainer.compile
+    assert adamw.data.batch_size >= 2048 and adamw.trainer.compile == "auto"
     assert tuple(adamw.optim.betas) == tuple(stable.optim.betas) == (0.9, 0.999)
     # Same lr, schedule, seed and data: the optimizers differ in their name (StableAdamW's update clipping) only.
     # (trainer.run_dir holds the time of composition)
@@ -70,7 +70,7 @@ def test_switchback_gpu_runs_differ_in_model_linear_only():
     configs = {linear: compose_config(["experiment=switchback_gpu", f"model.linear={linear}"])
                for linear in ("standard", "switchback_int8", "switchback_fp8")}
     standard = configs["standard"]
-    assert (standard.model.name, standard.precision.dtype, standard.trainer.compile) == ("vit_b16", "bf16", True)
+    assert (standard.model.name, standard.precision.dtype, standard.trainer.compile) == ("vit_b16", "bf16", "auto")
     assert standard.model.vision.image_size < 224 and 256 <= standard.data.batch_size <= 512
     assert standard.data.eval_shards and standard.eval.held_out.zeroshot
     assert standard.data.generate_eval_samples >= 2000  # one sample is at most 0.05 points of top-1
