@@ -202,6 +202,13 @@ class TrainStream(IterableDataset):
                 images, captions, keys = [], [], []
 
 
+def as_built(batch: dict) -> dict:
+    """The DataLoader's hook for an item from a worker (`collate_fn` with batch_size=None): the batch the worker
+    built, as it is. The default, default_convert, rebuilds every container in it, and a batch's position holds
+    the shuffle buffer's tags: one call per tag, 5% of a worker's time at 256-px images and batch 64."""
+    return batch
+
+
 class TrainLoader:
     """Iterates this rank's batches ({"images": uint8 (B, 3, H, W), "tokens": (B, L), "keys": [...]}) and
     knows its own resume position."""
@@ -243,7 +250,7 @@ class TrainLoader:
         # Its own generator: otherwise starting the workers draws from the global RNG, and a resumed run
         # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
         loader = DataLoader(
-            stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            stream, batch_size=None, collate_fn=as_built, num_workers=workers, pin_memory=self.pin_memory,
             persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
             worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()),
             generator=torch.Generator().manual_seed(self.kwargs["seed"]),
