@@ -139,7 +139,7 @@ class ReaderState:
     """What a worker's batch carries about its reader: the role, the position right after the batch and the
     bad-data counts. One object rather than entries of the batch's dict, because the DataLoader's pinning thread
     rebuilds every list and dict it finds, and a position holds one tag per sample in the shuffle buffer
-    (data.shuffle_buffer, 5,000 by default): 40-80 ms a batch, in the training process and holding its GIL."""
+    (data.shuffle_buffer, 5,000 by default): 10-20 ms a batch, in the training process and holding its GIL."""
 
     role: int
     position: dict
@@ -148,7 +148,7 @@ class ReaderState:
 
 def as_built(batch: dict) -> dict:
     """The DataLoader's hook for an item from a worker (`collate_fn` with batch_size=None): the batch the worker
-    built, as it is. The default, default_convert, rebuilds every list and dict in it: 40-80 ms a batch of 1,024
+    built, as it is. The default, default_convert, rebuilds every list and dict in it: 10-20 ms a batch of 1,024
     keys and a 5,000-sample buffer's position, in the worker (docs/benchmarks-history.md, loader)."""
     return batch
 
