@@ -146,7 +146,7 @@ def load_rgb(data: bytes, size: int, max_pixels: int | None) -> torch.Tensor:
         raise OversizedImage(str(err)) from err
     with img:
         check_pixels(*img.size, max_pixels)
-        if img.format == "JPEG" and min(img.size) < 2 * size:  # one jpeg_size leaves to PIL
+        if img.format == "JPEG" and min(img.size) < 2 * size:  # a JPEG whose header jpeg_size left to PIL
             return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         # draft() lets the JPEG decoder skip work when the source is at least twice the target.
         img.draft("RGB", (size, size))
