@@ -45,6 +45,26 @@ def test_every_sample_once_per_epoch_across_ranks_and_workers(shapes):
     assert set(per_epoch[0]) == set(per_epoch[1]) and per_epoch[0] != per_epoch[1]
 
 
+def test_a_batchs_reader_state_crosses_the_dataloader_unwalked(shapes):
+    """The worker's bookkeeping rides in one ReaderState, which the DataLoader's hooks (as_built, then pinning)
+    hand on as the same object instead of rebuilding the position's buffer of tags; TrainLoader then gives the
+    batch its role, position and bad counts as entries again, and its state_dict holds that position."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from src.data.loader import ReaderState, TrainStream, as_built
+
+    it = loader(shapes, world_size=1, num_workers=0, batch_size=16)
+    stream = TrainStream(it.sources, it.weights, it.cfg, positions=[None], role_offset=0, bad_counts=[{}],
+                         **it.kwargs)
+    item = next(iter(stream))
+    assert isinstance(item["reader"], ReaderState) and len(item["reader"].position["buffer"]) == 50
+    bookkeeping = {k: v for k, v in item.items() if not isinstance(v, torch.Tensor)}  # no pinning without CUDA
+    assert as_built(item) is item and pin_memory(bookkeeping)["reader"] is item["reader"]
+    batch = next(it)
+    assert "reader" not in batch and batch["role"] == 0 and batch["keys"] == item["keys"]
+    assert batch["position"] == item["reader"].position == it.state_dict()["positions"][0]
+
+
 def test_shard_order_is_deterministic_and_changes_with_epoch():
     shards = [f"s{i}" for i in range(12)]
     a = [shards_for_reader(shards, seed=1, epoch=0, reader=r, num_readers=3) for r in range(3)]
@@ -215,6 +235,49 @@ def test_small_jpegs_decode_as_pil_does_and_large_ones_at_a_reduced_scale(mode):
             want = TF.pil_to_tensor(img.convert("RGB"))
         got = load_rgb(buffer.getvalue(), size, None)
         assert got.shape == (3, *shape) and torch.equal(got, want), (mode, width)
+
+
+def test_jpeg_size_reads_the_header_as_pil_does_or_leaves_it_to_pil(monkeypatch):
+    """jpeg_size gives PIL's (width, height) for the JPEGs PIL opens as format JPEG (baseline, progressive, grayscale,
+    CMYK, with EXIF and ICC segments), and None where PIL reads another format or the header is unusual: a PNG, a
+    multi-picture MPO, fill bytes between markers, a header cut short. load_rgb gives the same pixels either way,
+    and refuses a small-sided JPEG above PIL's own pixel limit as PIL's open would."""
+    import numpy as np
+    from PIL import ImageCms
+    from torchvision.transforms.v2 import functional as TF
+
+    from src.data.image_text import jpeg_size, load_rgb
+
+    pixels = (np.random.default_rng(1).random((120, 200, 3)) * 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+
+    def encode(img: Image.Image, fmt: str = "JPEG", **kwargs) -> bytes:
+        buffer = io.BytesIO()
+        img.save(buffer, format=fmt, **kwargs)
+        return buffer.getvalue()
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: neither PIL's size nor ours applies it
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    jpegs = [encode(image), encode(image, progressive=True), encode(image.convert("L")), encode(image.convert("CMYK")),
+             encode(image, exif=exif.tobytes(), icc_profile=icc, optimize=True), encode(image.resize((333, 77)))]
+    for data in jpegs:
+        with Image.open(io.BytesIO(data)) as img:
+            assert img.format == "JPEG" and jpeg_size(data) == img.size
+            want = TF.pil_to_tensor(img.convert("RGB"))
+        assert torch.equal(load_rgb(data, 224, None), want)
+    baseline = jpegs[0]
+    others = [encode(image, "PNG"), encode(image, "MPO", save_all=True, append_images=[image]),
+              baseline[:2] + b"\xff" + baseline[2:], baseline[:40]]
+    assert [jpeg_size(data) for data in others] == [None] * len(others)
+    with Image.open(io.BytesIO(others[1])) as img:
+        assert img.format == "MPO"
+        want = TF.pil_to_tensor(img.convert("RGB"))
+    assert torch.equal(load_rgb(others[1], 224, None), want)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200 * 120 // 2 - 1)
+    for data in (baseline, others[2]):  # through jpeg_size, and through PIL's open
+        with pytest.raises(OversizedImage):
+            load_rgb(data, 224, None)
 
 
 def test_eval_batches_carry_labels(shapes):

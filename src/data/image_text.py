@@ -95,21 +95,63 @@ def check_pixels(width: int, height: int, max_pixels: int | None) -> None:
         raise OversizedImage(f"{width}x{height} = {width * height} pixels, above data.max_image_pixels={max_pixels}")
 
 
+# The markers after which a JPEG header gives the frame's size (SOF0-15 but DHT, JPG and DAC; and DHP), as PIL's
+# JpegImagePlugin reads them: the last one before the start of scan wins.
+FRAME_MARKERS = frozenset((*range(0xC0, 0xC4), *range(0xC5, 0xC8), *range(0xC9, 0xCC), *range(0xCD, 0xD0), 0xDE))
+START_OF_SCAN = 0xDA
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of an 8-bit JPEG, read from its markers as PIL reads them, or None whenever PIL might read
+    it otherwise: not a JPEG, not 8 bits, not 1, 3 or 4 channels, padding or junk between markers, or a
+    multi-picture (MPO) header, for which PIL returns another format. PIL's Image.open for the header alone
+    takes 17 us a 256-px JPEG, this 1 us (docs/benchmarks-history.md, loader)."""
+    if not data.startswith(b"\xff\xd8\xff"):
+        return None
+    size, i, end = None, 2, len(data) - 4
+    while i < end:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == START_OF_SCAN:
+            return size
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:
+            return None
+        if marker in FRAME_MARKERS:
+            if length < 8 or i + 2 + length > len(data) or data[i + 4] != 8 or data[i + 9] not in (1, 3, 4):
+                return None  # cut short, not 8 bits, or channels PIL has no mode for
+            size = int.from_bytes(data[i + 7 : i + 9], "big"), int.from_bytes(data[i + 5 : i + 7], "big")
+        elif marker == 0xE2 and data[i + 4 : i + 8] == b"MPF\x00":
+            return None
+        elif not 0xC0 <= marker <= 0xFE or 0xD0 <= marker <= 0xD9:  # markers without a length: PIL's business
+            return None
+        i += 2 + length
+    return None
+
+
 def load_rgb(data: bytes, size: int, max_pixels: int | None) -> torch.Tensor:
     """Decode image bytes to a (3, H, W) uint8 tensor, for crops of `size` pixels; OversizedImage for an image of
     more than `max_pixels` pixels."""
+    frame = jpeg_size(data)
+    if frame is not None and min(frame) < 2 * size:
+        # draft() cannot shrink it; torchvision decodes straight into a tensor (1.19x faster at 256-384 px).
+        check_pixels(*frame, max_pixels)
+        if Image.MAX_IMAGE_PIXELS is not None and frame[0] * frame[1] > 2 * Image.MAX_IMAGE_PIXELS:
+            raise OversizedImage(f"{frame[0]}x{frame[1]} pixels, above PIL's limit of {2 * Image.MAX_IMAGE_PIXELS}")
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except Image.DecompressionBombError as err:  # PIL's own, higher limit: checked when it reads the header
         raise OversizedImage(str(err)) from err
     with img:
         check_pixels(*img.size, max_pixels)
-        if img.format == "JPEG" and min(img.size) < 2 * size:
-            # draft() cannot shrink it; torchvision decodes straight into a tensor (1.19x faster at 256-384 px).
+        if img.format == "JPEG" and min(img.size) < 2 * size:  # a JPEG whose header jpeg_size left to PIL
             return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         # draft() lets the JPEG decoder skip work when the source is at least twice the target.
         img.draft("RGB", (size, size))
-        return TF.pil_to_tensor(img.convert("RGB"))
+        # convert() of an image already in RGB is a full copy: 0.2-0.5 ms of a 512-1024 px JPEG's 2-4 ms.
+        return TF.pil_to_tensor(img if img.mode == "RGB" else img.convert("RGB"))
 
 
 def crop(image: torch.Tensor, size: int, box: tuple[int, int, int, int] | None, preprocess: Preprocess) -> torch.Tensor:

@@ -27,6 +27,7 @@ import os
 import random
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from open_clip.tokenizer import tokenize
@@ -133,6 +134,25 @@ def check_batch_size(batch_size: int, world_size: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ReaderState:
+    """What a worker's batch carries about its reader: the role, the position right after the batch and the
+    bad-data counts. One object rather than entries of the batch's dict, because the DataLoader's pinning thread
+    rebuilds every list and dict it finds, and a position holds one tag per sample in the shuffle buffer
+    (data.shuffle_buffer, 5,000 by default): 10-20 ms a batch, in the training process and holding its GIL."""
+
+    role: int
+    position: dict
+    bad: dict
+
+
+def as_built(batch: dict) -> dict:
+    """The DataLoader's hook for an item from a worker (`collate_fn` with batch_size=None): the batch the worker
+    built, as it is. The default, default_convert, rebuilds every list and dict in it: 10-20 ms a batch of 1,024
+    keys and a 5,000-sample buffer's position, in the worker (docs/benchmarks-history.md, loader)."""
+    return batch
+
+
 class TrainStream(IterableDataset):
     """Endless batches for one rank; each DataLoader worker plays one reader role."""
 
@@ -196,8 +216,8 @@ class TrainStream(IterableDataset):
                     # In a worker, default_collate stacks straight into shared memory; torch.stack would make a
                     # private batch that sending it to the training process then copies again.
                     "images": default_collate(images), "tokens": tokenize(captions, self.context_length), "keys": keys,
-                    "role": role, "position": reader.current_position().to_state(),
-                    "bad": {"counts": dict(bad.counts), "shards": dict(bad.shards)},
+                    "reader": ReaderState(role, reader.current_position().to_state(),
+                                          {"counts": dict(bad.counts), "shards": dict(bad.shards)}),
                 }
                 images, captions, keys = [], [], []
 
@@ -243,7 +263,7 @@ class TrainLoader:
         # Its own generator: otherwise starting the workers draws from the global RNG, and a resumed run
         # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
         loader = DataLoader(
-            stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            stream, batch_size=None, collate_fn=as_built, num_workers=workers, pin_memory=self.pin_memory,
             persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
             worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()),
             generator=torch.Generator().manual_seed(self.kwargs["seed"]),
@@ -258,8 +278,10 @@ class TrainLoader:
         if self._iterator is None:
             self._iterator = self._start()
         batch = next(self._iterator)
-        self.positions[batch["role"]] = batch["position"]
-        self.bad[batch["role"]] = batch["bad"]
+        state = batch.pop("reader")
+        batch.update(role=state.role, position=state.position, bad=state.bad)
+        self.positions[state.role] = state.position
+        self.bad[state.role] = state.bad
         self.batches += 1
         self._check_bad_fraction()
         return batch
