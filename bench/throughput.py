@@ -327,7 +327,7 @@ def main() -> int:
                         help="--end-to-end: the timed window (at least --steps steps)")
     parser.add_argument("--train-py", type=int, default=0, metavar="STEPS",
                         help="also run train.py itself for STEPS steps on the --end-to-end shards and report the rate "
-                             "its log gives, against the best end-to-end (else compute-only) configuration")
+                             "its log gives, against the best configuration's and the best end-to-end one's")
     parser.add_argument("--train-py-set", default="optim=stable_adamw",
                         help="--train-py's overrides besides model, data and run length (default: the card's "
                              "command, no performance flags)")
@@ -365,10 +365,13 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     if args.train_py:
         row = run_train_py(args)
-        timed = [r for r in rows if r["end_to_end"]] or rows
-        best = max(timed, key=lambda r: r["samples_per_s"])
+        # Against the best configuration (compute-only, the ceiling) and the best on the same loader.
+        best = max(rows, key=lambda r: r["samples_per_s"])
         row.update(best_overrides=best["overrides"], best_end_to_end=best["end_to_end"],
                    vs_best=row["samples_per_s"] / best["samples_per_s"])
+        loaded = [r["samples_per_s"] for r in rows if r["end_to_end"]]
+        if loaded:
+            row["vs_best_end_to_end"] = row["samples_per_s"] / max(loaded)
         if peer:
             row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
         rows.append(row)
