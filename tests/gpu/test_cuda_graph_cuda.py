@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from src.compose import compose_config
+from src.parallel.distributed import DistInfo
+from src.tools.synthetic_shapes import make_synthetic_shapes
 from src.trainer.cuda_graph import WARMUP_STEPS
+from src.trainer.trainer import Trainer
 from tests.gpu.test_compile_equivalence import learnable_batch, trainer_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,6 +24,8 @@ def run(tmp_path, name: str, *overrides: str) -> tuple[torch.Tensor, float, obje
         "model=vit_b32", "precision=bf16", "logger=none", "data=synthetic_shapes", "data.batch_size=256",
         "data.generate=false", "trainer.device=cuda", "trainer.progress=false", f"trainer.run_dir={run_dir}",
         "optim.warmup_steps=4", "optim.lr=1e-4", "optim.grad_clip_norm=1.0", "model.ls_init_value=0.1", *overrides,
+        # The launched run must say so: the default (auto) records on one GPU.
+        *([] if any(o.startswith("trainer.cuda_graph=") for o in overrides) else ["trainer.cuda_graph=false"]),
     ])
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
@@ -52,3 +57,26 @@ def test_recorded_step_gives_the_losses_of_launched_kernels(tmp_path, setting):
     # Each replay read the batch of its own step: the last one is in the graph's input.
     assert not torch.equal(turns[0]["images"], turns[1]["images"])
     assert torch.equal(graphed.static_batch["images"], turns[(STEPS - 1) % 2]["images"])
+
+
+def test_the_default_records_the_step_beside_the_loaders_pinning_thread(tmp_path):
+    """The defaults (compile and cuda_graph auto) with the real webdataset loader: its pin-memory thread pins the
+    next batches while the step is recorded. Under the capture's default mode that thread's CUDA calls invalidated
+    the recording and killed the thread; the capture now checks only its own thread."""
+    train, held_out = tmp_path / "data" / "train", tmp_path / "data" / "eval"
+    make_synthetic_shapes(str(train / "train-{000000..000003}.tar"), str(held_out / "eval-000000.tar"), 2048, 64)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = compose_config([
+        "experiment=quickstart", "logger=none", "trainer.device=cuda", "trainer.progress=false",
+        f"trainer.run_dir={run_dir}", f"data.shards='{train}/train-{{000000..000003}}.tar'", "data.eval_shards=null",
+        "data.generate=false", "data.num_workers=2", "trainer.max_steps=16", "trainer.log_every=4",
+        "trainer.ckpt_every=0",
+    ])
+    trainer = Trainer(cfg, str(run_dir), DistInfo(0, 1, 0, torch.device("cuda", 0)))
+    assert trainer.fast_path.compile and trainer.fast_path.cuda_graph and trainer.fast_path.cuda_graph_auto
+    trainer.fit()
+    assert trainer.graphed.captured and not trainer.graphed.eager
+    assert trainer.progress.step == 16
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"train/loss"' in line]) == 16
