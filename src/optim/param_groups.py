@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from src.models.transformer import LayerScale
-
 # 2-D tensors that are lookup tables or position codes, not linear maps: decay would only shrink them.
 NO_DECAY_NAMES = ("token_embedding", "positional_embedding", "class_embedding", "temporal_embedding")
 
@@ -18,10 +16,10 @@ def decays(name: str, param: nn.Parameter) -> bool:
     return param.ndim >= 2 and not any(part in name for part in NO_DECAY_NAMES)
 
 
-def layer_scale_gammas(model: nn.Module) -> set[int]:
-    """The ids of the model's layer-scale gammas (src/models/transformer.py's LayerScale), found by module type so
-    that any wrapper's name prefix leaves them found."""
-    return {id(module.gamma) for module in model.modules() if isinstance(module, LayerScale)}
+def is_layer_scale_gamma(name: str) -> bool:
+    """src/models/transformer.py's LayerScale holds its gain as `gamma` (OpenCLIP's `ls_1.gamma`, `ls_2.gamma`);
+    nothing else in the models has that name."""
+    return name.rpartition(".")[2] == "gamma"
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float, layer_decay: float = 1.0,
@@ -36,10 +34,11 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float, layer_decay: 
     groups, in the order checkpoints from before layer decay saved them."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     depth = (lambda name: depths[name]) if depths is not None and layer_decay != 1.0 else (lambda name: 0)
-    gammas = layer_scale_gammas(model) if layer_scale_lr_scale != 1.0 else set()
+    own_gamma_groups = layer_scale_lr_scale != 1.0
     groups: dict[tuple[int, bool, bool], list[nn.Parameter]] = {}
     for name, p in named:
-        groups.setdefault((depth(name), decays(name, p), id(p) in gammas), []).append(p)
+        gamma = own_gamma_groups and is_layer_scale_gamma(name)
+        groups.setdefault((depth(name), decays(name, p), gamma), []).append(p)
     ordered = sorted(groups.items(), key=lambda item: (-item[0][0], not item[0][1], not item[0][2]))
     return [
         {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale, "lr_scale": scale}
