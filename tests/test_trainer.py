@@ -123,7 +123,7 @@ def test_resume_applies_a_changed_learning_rate_and_schedule_from_the_resumed_st
 
     run_dir = tmp_path / "run"
     common = ["trainer.max_steps=12", "eval.every=0", "trainer.ckpt_every=6"]
-    run_train(tiny_run(shapes, run_dir, *common, "trainer.stop_at_step=6"))  # quickstart: lr 2e-3, warmup 5
+    run_train(tiny_run(shapes, run_dir, *common, "optim.lr=2e-3", "trainer.stop_at_step=6"))  # warmup 5
     before = train_lines(run_dir)
     result = run_train(tiny_run(shapes, run_dir, *common, "trainer.resume=latest", "optim.lr=5e-4",
                                 "optim.min_lr_ratio=0.1"))
@@ -140,10 +140,10 @@ def test_resume_applies_a_changed_learning_rate_and_schedule_from_the_resumed_st
 
 def test_resume_with_another_optimizer_loads_the_weights_and_starts_fresh_moments(shapes, tmp_path):
     run_dir = tmp_path / "run"
-    common = ["trainer.max_steps=10", "eval.every=0", "trainer.ckpt_every=6"]
+    common = ["trainer.max_steps=10", "eval.every=0", "trainer.ckpt_every=6", "optim.lr=2e-3"]
     run_train(tiny_run(shapes, run_dir, *common, "optim=adamw", "trainer.stop_at_step=6"))
     weights = torch.load(run_dir / "checkpoints/step_00000006/model.pt", weights_only=True)
-    # Back to the quickstart's own optimizer, with its lr (2e-3), weight_decay and betas.
+    # Back to the quickstart's own optimizer, with its weight_decay and betas.
     result = run_train(tiny_run(shapes, run_dir, *common, "trainer.resume=latest", "optim=stable_adamw",
                                 "trainer.stop_at_step=7"))
     assert ("optim.name adamw -> stable_adamw, class AdamW -> StableAdamW: weights loaded, the optimizer starts "
