@@ -1,6 +1,7 @@
 """optim.layer_scale_lr_scale: the layer-scale gammas' learning rate is lr x this (x layer decay), in groups of their
 own; at 1.0 the parameter groups are exactly those of before the key (checkpoints still load with their moments);
-preflight refuses a factor of 0; a resume with another factor names it and starts fresh moments."""
+preflight refuses a factor of 0; a resume with another factor names it and starts fresh moments; the quickstart
+uses it on the paper's recipe."""
 
 import pytest
 import torch
@@ -115,3 +116,12 @@ def test_a_resume_with_another_factor_names_it_and_starts_fresh_moments(shapes, 
     peaks = {names[p]: g["initial_lr"] for g in resumed.optimizer.param_groups for p in g["params"]}
     assert peaks["logit_scale"] == resumed.cfg.optim.lr
     assert all(peaks[n] == pytest.approx(10 * resumed.cfg.optim.lr, rel=1e-12) for n in gammas), peaks
+
+
+def test_the_quickstart_trains_on_the_papers_recipe():
+    """Near-zero layer-scale at the model default, StableAdamW, the spike metrics; the gammas at a larger lr."""
+    cfg = compose_config(["experiment=quickstart"])
+    default = compose_config(["model=vit_tiny"]).model.ls_init_value
+    assert cfg.model.ls_init_value == default == 1e-4
+    assert cfg.optim.name == "stable_adamw" and cfg.spikes.enabled
+    assert cfg.optim.layer_scale_lr_scale > 1
