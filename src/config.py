@@ -292,6 +292,7 @@ class OptimConfig:
     min_lr_ratio: float
     grad_clip_norm: float | None
     layer_decay: float
+    layer_scale_lr_scale: float
 
 
 @dataclass

@@ -23,6 +23,8 @@ RUN = [
     "model.embed_dim=2", "model.vision.width=2", "model.vision.heads=1", "model.vision.layers=1",
     "model.text.width=2", "model.text.heads=1", "model.text.layers=1", "trainer.max_steps=6", "trainer.ckpt_every=3",
     "eval.every=0", "trainer.log_every=1", "optim.warmup_steps=2", "spikes.ignore_first=0", "spikes.window=2",
+    # The quickstart's recipe at b795652: no layer-scale, AdamW.
+    "model.ls_init_value=null", "optim=adamw", "optim.layer_scale_lr_scale=1.0",
 ]
 DATA = ["data.generate_train_samples=64", "data.generate_eval_samples=16"]
 

@@ -29,7 +29,7 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, *, per_tensor_skips: boo
     if cfg.layer_decay != 1.0 and depths is None:
         raise ValueError(f"optim.layer_decay={cfg.layer_decay} needs each parameter's depth: pass depths "
                          "(src.models.locking.layer_depths(model))")
-    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.layer_decay, depths)
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.layer_decay, depths, cfg.layer_scale_lr_scale)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
         if per_tensor_skips:

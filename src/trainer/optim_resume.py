@@ -15,8 +15,9 @@ After a stop on non-finite steps the advice is to resume with a lower `optim.lr`
   with other betas, are not this optimizer's state; another class's state dict does not even load (torch's fused
   AdamW's groups say fused=True, which StableAdamW reads as "use the fused Triton kernels"). One policy for every
   hyperparameter keeps it predictable: a resume keeps the moments exactly when the optimizer is the same one.
-- Which parameters train and at which learning-rate scale (`optim.layer_decay`, `model.vision.lock`,
-  `model.text.lock`, their `unlocked_blocks`, and a video run's `model.video.vision_trainable_blocks`): they make
+- Which parameters train and at which learning-rate scale (`optim.layer_decay`, `optim.layer_scale_lr_scale`,
+  `model.vision.lock`, `model.text.lock`, their `unlocked_blocks`, and a video run's
+  `model.video.vision_trainable_blocks`): they make
   the parameter groups, so a change is treated as a change of the optimizer. The weights load (frozen ones too)
   and the optimizer starts fresh for the new groups.
 - `optim.grad_clip_norm` is read at every step, so it applies from the resumed step with nothing to restore.
@@ -41,7 +42,8 @@ OPTIMIZER_KIND = SCHEDULE = "settings"  # the key each entry adds to its torch s
 # group's lr_scale (layer decay) is part of the kind, as optim.layer_decay.
 SCHEDULED = ("params", "lr", "initial_lr", "lr_scale")
 # The settings that decide the parameter groups, as checkpoints from before they were saved trained with them.
-GROUPS_BEFORE_SAVED = {"optim.layer_decay": 1.0, "model.vision.lock": False, "model.vision.unlocked_blocks": 0,
+GROUPS_BEFORE_SAVED = {"optim.layer_decay": 1.0, "optim.layer_scale_lr_scale": 1.0,
+                       "model.vision.lock": False, "model.vision.unlocked_blocks": 0,
                        "model.text.lock": False, "model.text.unlocked_blocks": 0}
 CONFIG_KEYS = {"betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
                "clip_threshold": "optim.clip_threshold"}
@@ -94,6 +96,7 @@ class ResumedOptimizer:
         vision, text = cfg.model.vision, cfg.model.text
         self.kind = {"optim.name": str(cfg.optim.name), "class": type(optimizer_state.optimizer).__name__,
                      "optim.layer_decay": cfg.optim.layer_decay,
+                     "optim.layer_scale_lr_scale": cfg.optim.layer_scale_lr_scale,
                      "model.vision.lock": vision.lock, "model.vision.unlocked_blocks": vision.unlocked_blocks,
                      "model.text.lock": text.lock, "model.text.unlocked_blocks": text.unlocked_blocks}
         if cfg.data.frames:

@@ -104,6 +104,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.grad_clip_norm", lambda v: v is None or (FINITE(v) and v > 0), "a finite number above 0 (or null)"),
     ("optim.layer_decay", lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
+    ("optim.layer_scale_lr_scale", lambda v: FINITE(v) and v > 0, "a finite number above 0 (1 = the gammas at lr)"),
     ("precision.fixed_scale", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("spikes.rms_threshold", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("spikes.loss_std_factor", FINITE, "a finite number (below 0 flags every step, as tests do)"),
