@@ -18,8 +18,7 @@ After a stop on non-finite steps the advice is to resume with a lower `optim.lr`
 - Which parameters train and at which learning-rate scale (`optim.layer_decay`, `optim.layer_scale_lr_scale`,
   `model.vision.lock`, `model.text.lock`, their `unlocked_blocks`, and a video run's
   `model.video.vision_trainable_blocks`): they make the parameter groups, so a change is treated as a change of the
-  optimizer. The weights load (frozen ones too)
-  and the optimizer starts fresh for the new groups.
+  optimizer. The weights load (frozen ones too) and the optimizer starts fresh for the new groups.
 - `optim.grad_clip_norm` is read at every step, so it applies from the resumed step with nothing to restore.
 
 Either way one log line names each change and what it does. The settings are saved as plain data next to the
