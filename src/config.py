@@ -181,6 +181,7 @@ class VisionConfig:
     heads: int
     mlp_ratio: float
     patch_dropout: float
+    ln_pre_gain: float | None
     lock: bool
     unlocked_blocks: int
 

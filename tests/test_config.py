@@ -184,6 +184,7 @@ def test_every_numeric_key_has_a_valid_range():
     (["optim.lr=nan"], "optim.lr=nan is out of range: set it to a finite number above 0"),
     (["optim.lr=inf"], "optim.lr=inf is out of range: set it to a finite number above 0"),
     (["optim.lr=0"], "optim.lr=0.0 is out of range: set it to a finite number above 0"),
+    (["model.vision.ln_pre_gain=0"], "model.vision.ln_pre_gain=0.0 is out of range: set it to a finite number above 0"),
     (["data.crop_scale_min=0"], "data.crop_scale_min=0.0 is out of range: set it to in (0, 1]"),
     (["data.crop_scale_min=1.5"], "data.crop_scale_min=1.5 is out of range: set it to in (0, 1]"),
     (["trainer.max_steps=0"], "trainer.max_steps=0 is out of range: set it to at least 1"),

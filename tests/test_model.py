@@ -9,6 +9,7 @@ from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 from src.config import ModelConfig
 from src.kernels.dispatch import build_model_with_kernels
 from src.models import build_model, count_parameters, load_openclip_checkpoint, load_openclip_state_dict
+from src.models.clip import TEXT_STREAM_RMS
 from src.models.transformer import Attention, Block, LayerScale
 from src.optim.param_groups import param_groups
 from tests.conftest import compose_config
@@ -48,6 +49,33 @@ def test_layer_scale_init_value_is_configurable_and_can_be_off():
                for m in model.modules() if isinstance(m, LayerScale))
     model = build_model(tiny_config(ls_init_value=None))
     assert not any(isinstance(m, LayerScale) for m in model.modules())
+
+
+def stream_rms_entering_the_blocks(model, images: torch.Tensor, tokens: torch.Tensor) -> tuple[float, float]:
+    """The RMS of the residual stream that each tower's first block adds its γ-scaled branches to."""
+    seen = {}
+    hooks = [tower.register_forward_pre_hook(lambda module, args, name=name: seen.setdefault(name, args[0]))
+             for name, tower in (("image", model.visual.transformer), ("text", model.transformer))]
+    with torch.no_grad():
+        model.encode_image(images), model.encode_text(tokens)
+    for hook in hooks:
+        hook.remove()
+    return tuple(seen[name].pow(2).mean().sqrt().item() for name in ("image", "text"))
+
+
+def test_with_layer_scale_the_image_stream_starts_at_the_text_streams_scale():
+    # A block adds γ · branch to its tower's stream, so a γ weighs as much in each tower as the stream is small.
+    # ln_pre makes the image stream RMS 1 at gain 1, against ~0.022 for the text stream's embeddings: at gain 1
+    # the image blocks are ~45x weaker for the same γ, and the quickstart's image tower learned late.
+    torch.manual_seed(0)
+    images, tokens = torch.randn(4, 3, 32, 32), torch.randint(1, 400, (4, 16))
+    image_rms, text_rms = stream_rms_entering_the_blocks(build_model(tiny_config(1e-4)), images, tokens)
+    assert image_rms == pytest.approx(text_rms, rel=0.15) and image_rms == pytest.approx(TEXT_STREAM_RMS, rel=0.01)
+    plain = tiny_config(None)  # no layer-scale: OpenCLIP's ln_pre at gain 1, the stream at RMS 1
+    image_rms, text_rms = stream_rms_entering_the_blocks(build_model(plain), images, tokens)
+    assert image_rms == pytest.approx(1.0, rel=0.01) and image_rms > 30 * text_rms
+    plain.vision.ln_pre_gain = 0.5  # a set gain wins, with or without layer-scale
+    assert build_model(plain).visual.ln_pre.weight.unique().tolist() == [0.5]
 
 
 def test_gamma_and_embeddings_get_no_weight_decay():

@@ -8,6 +8,7 @@ OpenCLIP's `CLIP`, so both models share one state-dict layout.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,20 @@ from src.config import ModelConfig
 from src.models.locking import lock_towers
 from src.models.transformer import Transformer
 from src.models.vision import VisionTransformer
+
+TOKEN_EMBEDDING_STD, TEXT_POSITIONAL_STD = 0.02, 0.01  # OpenCLIP's initialisation of the text tower's inputs
+# The text residual stream's RMS at init: a block's branch, scaled by γ, is added to a stream this size.
+TEXT_STREAM_RMS = math.hypot(TOKEN_EMBEDDING_STD, TEXT_POSITIONAL_STD)
+
+
+def ln_pre_gain(cfg: ModelConfig) -> float:
+    """`model.vision.ln_pre_gain`, or by default the image stream's start at the text stream's scale when
+    layer-scale is on. `ln_pre` normalises the class and patch tokens to RMS 1 (times this gain), so with gain 1 a
+    block's γ-scaled branch weighs about 45x less against the image stream than against the text stream, and the
+    image tower, which reaches its pooled class token only through its blocks, joins late (docs/stability.md)."""
+    if cfg.vision.ln_pre_gain is not None:
+        return cfg.vision.ln_pre_gain
+    return TEXT_STREAM_RMS if cfg.ls_init_value is not None else 1.0
 
 
 class CLIP(nn.Module):
@@ -29,6 +44,7 @@ class CLIP(nn.Module):
         self.visual = VisionTransformer(
             vision.image_size, vision.patch_size, vision.width, vision.layers, vision.heads,
             vision.mlp_ratio, cfg.embed_dim, cfg.ls_init_value, vision.patch_dropout, cfg.quick_gelu,
+            ln_pre_gain=ln_pre_gain(cfg),
         )
         self.context_length = text.context_length
         self.token_embedding = nn.Embedding(text.vocab_size, text.width)
@@ -48,8 +64,8 @@ class CLIP(nn.Module):
     def init_weights(self) -> None:
         """Initialise every parameter; called after `to_empty()` when the model was built on `meta`."""
         self.visual.init_weights()
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
-        nn.init.normal_(self.positional_embedding, std=0.01)
+        nn.init.normal_(self.token_embedding.weight, std=TOKEN_EMBEDDING_STD)
+        nn.init.normal_(self.positional_embedding, std=TEXT_POSITIONAL_STD)
         self.transformer.init_weights()
         self.ln_final.reset_parameters()
         nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)

@@ -34,6 +34,7 @@ class VisionTransformer(nn.Module):
     def __init__(
         self, image_size: int, patch_size: int, width: int, layers: int, heads: int, mlp_ratio: float,
         output_dim: int, ls_init_value: float | None, patch_dropout: float = 0.0, quick_gelu: bool = False,
+        ln_pre_gain: float = 1.0,
     ):
         super().__init__()
         if image_size % patch_size:
@@ -48,6 +49,7 @@ class VisionTransformer(nn.Module):
         self.positional_embedding = nn.Parameter(torch.empty(grid * grid + 1, width))
         self.patch_dropout = PatchDropout(patch_dropout)
         self.ln_pre = nn.LayerNorm(width)
+        self.ln_pre_gain = ln_pre_gain  # ln_pre's weight at init (its bias starts at 0)
         self.transformer = Transformer(width, layers, heads, mlp_ratio, ls_init_value, quick_gelu)
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Parameter(torch.empty(width, output_dim))
@@ -59,6 +61,7 @@ class VisionTransformer(nn.Module):
         nn.init.normal_(self.class_embedding, std=scale)
         nn.init.normal_(self.positional_embedding, std=scale)
         self.ln_pre.reset_parameters()
+        nn.init.constant_(self.ln_pre.weight, self.ln_pre_gain)
         self.transformer.init_weights()
         self.ln_post.reset_parameters()
         nn.init.normal_(self.proj, std=scale)

@@ -56,6 +56,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.vision.heads", lambda v: v >= 1, "at least 1"),
     ("model.vision.mlp_ratio", lambda v: FINITE(v) and v > 0, "a finite number above 0"),
     ("model.vision.patch_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.vision.ln_pre_gain", lambda v: v is None or (FINITE(v) and v > 0), "a finite number above 0 (or null)"),
     ("model.vision.unlocked_blocks", lambda v: v >= 0, "0 or more"),
     ("model.text.context_length", lambda v: v >= 2, "at least 2 (start and end of text)"),
     ("model.text.vocab_size", lambda v: v >= 1, "at least 1"),
