@@ -75,3 +75,32 @@ def test_kernels_are_bitwise_the_reference_at_vit_h_shapes():
         for kernel in ("pointer", "tma"):
             got = kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32, kernel=kernel)
             assert torch.isfinite(got).all() and torch.equal(got, want), f"{k}->{n} {kernel}"
+
+
+# Every int8 matmul of experiment=switchback_gpu (ViT-B/16 at 64 px, batch 256: 4,352 image tokens, 256 pooled rows
+# in the pruned last block), as logged on an H200 where that preset's int8 run died with SIGSEGV in its first
+# forward pass (docs/switchback.md). (tokens, in, out).
+PRESET_SHAPES = [(4352, 768, 2304), (4352, 768, 768), (4352, 768, 3072), (4352, 3072, 768), (4352, 768, 1536),
+                 (256, 768, 768), (256, 768, 3072), (256, 3072, 768)]
+
+
+@pytest.mark.parametrize("variant", [name for name in VARIANTS if not VARIANTS[name].fp8])
+@pytest.mark.parametrize("tokens,k,n", PRESET_SHAPES)
+def test_int8_variants_at_the_switchback_gpu_presets_shapes(variant, tokens, k, n):
+    torch.manual_seed(0)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).requires_grad_()
+    b = torch.randn(n, device="cuda").requires_grad_()
+    results = []
+    for backend in ("cuda", "reference"):
+        xi = x.clone().requires_grad_()
+        w.grad = b.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = switchback_linear(xi, w, b, variant, backend, True)
+        y.float().square().mean().backward()
+        torch.cuda.synchronize()
+        results.append((y.float(), xi.grad.float(), w.grad.clone(), b.grad.clone()))
+    for got, want, name in zip(results[0], results[1], ("y", "dx", "dw", "db")):
+        assert torch.isfinite(got).all(), name
+        error = ((got - want).norm() / want.norm()).item()
+        assert error < 1e-2, f"{variant} {(tokens, k, n)} {name}: relative error {error:.2e}"
