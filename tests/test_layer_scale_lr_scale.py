@@ -118,7 +118,6 @@ def test_a_resume_with_another_factor_names_it_and_starts_fresh_moments(shapes, 
     assert all(peaks[n] == pytest.approx(10 * resumed.cfg.optim.lr, rel=1e-12) for n in gammas), peaks
 
 
-
 def test_the_quickstart_is_the_papers_recipe_and_passes_preflight(tmp_path):
     """experiment=quickstart as docs/stability.md describes it: the model's near-zero layer-scale, StableAdamW at
     its own betas and clipping, the spike metrics, the gammas at 10x lr, ln_pre's gain at the text stream's scale."""
