@@ -78,7 +78,7 @@ def test_kernels_are_bitwise_the_reference_at_vit_h_shapes():
 
 
 # Every int8 matmul of experiment=switchback_gpu (ViT-B/16 at 64 px, batch 256: 4,352 image tokens, 256 pooled rows
-# in the pruned last block), as logged on an H200 where that preset's int8 run died with SIGSEGV in its first
+# in the pruned last block), as logged on an H200 where that preset's int8 run once died with SIGSEGV in its first
 # forward pass (docs/switchback.md). (tokens, in, out).
 PRESET_SHAPES = [(4352, 768, 2304), (4352, 768, 768), (4352, 768, 3072), (4352, 3072, 768), (4352, 768, 1536),
                  (256, 768, 768), (256, 768, 3072), (256, 3072, 768)]
