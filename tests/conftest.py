@@ -41,6 +41,17 @@ SMALL_MODEL = ["model.embed_dim=8", "model.vision.width=8", "model.vision.heads=
                "model.text.width=8", "model.text.heads=1", "model.text.layers=1"]
 
 
+def proc_stat(pid: int) -> tuple[str, list[str]] | None:
+    """Process `pid`'s command name and the fields of /proc/<pid>/stat after it (state, parent, group, session, ...),
+    or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+
+
 def small_trainer(shapes: dict[str, str], run_dir, *extra: str, evaluate: bool = False):
     """An in-process Trainer of the SMALL_MODEL on `shapes` (batch 8, no loader workers), evaluating the held-out
     shards only with `evaluate`."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from src.trainer.checkpoint import newest_intact, read_manifest, step_of
-from tests.conftest import ROOT, data_overrides
+from tests.conftest import ROOT, data_overrides, proc_stat
 
 STEPS, CKPT_EVERY, EVAL_EVERY, BATCH = 16, 4, 8, 16
 # (guarantee, faults injected, runs that went on to finish, samples lost): printed at the end of the session.
@@ -139,12 +139,9 @@ def children(pid: int) -> list[int]:
     """The processes whose parent is `pid`, from /proc."""
     found = []
     for child in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(child))
-        except OSError:  # gone meanwhile
-            continue
+        stat = proc_stat(int(child))
+        if stat is not None and int(stat[1][1]) == pid:  # None: gone meanwhile
+            found.append(int(child))
     return found
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from src.tools.synthetic_shapes import make_synthetic_shapes
+from tests.conftest import proc_stat
 from tests.reliability.harness import LEDGER, Training, run_args, train_steps_logged
 
 SHARDS, PER_SHARD = 8, 20
@@ -18,14 +19,9 @@ def session_processes(session: int) -> dict[int, str]:
     """{pid: command name} of every live process of `session`, from /proc (zombies aside: they hold nothing)."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-        if int(fields[3]) == session and fields[0] != "Z":
-            found[int(pid)] = name
+        stat = proc_stat(int(pid))
+        if stat is not None and int(stat[1][3]) == session and stat[1][0] != "Z":  # None: gone meanwhile
+            found[int(pid)] = stat[0]
     return found
 
 
