@@ -25,7 +25,8 @@
 3. Microbenchmarks single-image decode strategies on the same JPEGs, in this process: ours (torchvision's
    decode_jpeg for JPEGs under twice the crop size, else PIL with draft(); random resized crop on the uint8
    tensor), PIL with draft() for every image, PIL without draft(), torchvision.io.decode_jpeg for every image,
-   and OpenCLIP's per-sample path for reference (PIL full decode + its train transform).
+   and OpenCLIP's per-sample path for reference (PIL full decode + its train transform); with --batched-decode,
+   also torchvision's decode_jpeg on lists of JPEGs on --decode-device (nvJPEG on a GPU), wall and host CPU time.
    Strategies are interleaved pass by pass, so load drift hits all of them; ms/image is the median pass.
 
 Prints a table and, with --json, writes the numbers with the date, CPU model, core count, versions, the exact
@@ -334,6 +335,30 @@ def bench_decode(images: list[bytes], passes: int) -> dict:
             for name, t in times.items()}
 
 
+def bench_batched_decode(images: list[bytes], batch: int, passes: int, device: str) -> dict:
+    """torchvision's `decode_jpeg` on lists of `batch` JPEGs at once on `device` (nvJPEG on "cuda"), then the uint8
+    crop there, one image at a time: wall and host CPU time per image, the median pass. The CPU time says how much of
+    the decoding stays on the host's cores, which is what a loader bound by those cores needs to know."""
+    chunks = [[torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in images[i : i + batch]]
+              for i in range(0, len(images), batch)]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    decoded = decode_jpeg(chunks[0], mode=ImageReadMode.RGB, device=device)  # warm-up: nvJPEG's handles
+    assert len(decoded) == len(chunks[0]) and decoded[0].device.type == torch.device(device).type
+    walls, cpus = [], []
+    for p in range(passes):
+        rng = random.Random(p)
+        sync()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for chunk in chunks:
+            crops = [crop_uint8(image, rng) for image in decode_jpeg(chunk, mode=ImageReadMode.RGB, device=device)]
+        sync()
+        walls.append(1000 * (time.perf_counter() - wall) / len(images))
+        cpus.append(1000 * (time.process_time() - cpu) / len(images))
+    assert tuple(crops[0].shape) == (3, IMAGE_SIZE, IMAGE_SIZE), crops[0].shape
+    return {"device": device, "batch": batch, "ms_per_image": statistics.median(walls),
+            "ms_per_image_min": min(walls), "cpu_ms_per_image": statistics.median(cpus), "passes": walls}
+
+
 # ----------------------------------------------------------------------------------------------- report
 
 
@@ -368,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shuffle-buffer", type=int, default=500, help="our loader's data.shuffle_buffer")
     parser.add_argument("--decode-passes", type=int, default=3, help="passes over the JPEGs per decode strategy "
                         "(0: skip the decode microbenchmark)")
+    parser.add_argument("--batched-decode", type=int, default=0, metavar="BATCH",
+                        help="also time decode_jpeg on lists of BATCH JPEGs on --decode-device (0: skip)")
+    parser.add_argument("--decode-device", default="cuda", help="--batched-decode's device (cuda: nvJPEG)")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the main process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
@@ -413,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_passes > 0:
         print(f"decode microbenchmark: {args.decode_passes} passes over {data['images']} JPEGs per strategy")
         decode = bench_decode(jpeg_bytes(data["pattern"]), args.decode_passes)
+    if args.batched_decode > 0:
+        decode[f"decode_jpeg, lists of {args.batched_decode}, on {args.decode_device}"] = bench_batched_decode(
+            jpeg_bytes(data["pattern"]), args.batched_decode, max(1, args.decode_passes), args.decode_device)
     load_end = os.getloadavg()
 
     print_tables(results, ratios, decode)

@@ -6,7 +6,8 @@
 Each configuration builds the real `Trainer` (the code `train.py` runs) and times `Trainer.train_step`:
 - compute-only: one batch of uint8 images and tokens already on the device, fed to every step;
 - `--end-to-end`: batches from the real webdataset loader over JPEG shards on local disk, written first
-  (`--shards-dir`, `--samples`), timed over a window of `--e2e-seconds` after `--e2e-warmup-seconds`;
+  (`--shards-dir`, `--samples`) or given (`--e2e-shards`), timed over a window of `--e2e-seconds` after
+  `--e2e-warmup-seconds`;
 - `--train-py STEPS`: `train.py` itself, the card's command (`--train-py-set`, default `optim=stable_adamw`: no
   performance flags) on the same shards, at the rate its training log reports, beside the best configuration.
 It reports samples/s (median step time, a sync after each step), the rate of steps run back to back with one sync at
@@ -204,6 +205,11 @@ def shard_pixels(args, image_size: int) -> int:
     return args.e2e_image_px or image_size * 8 // 7
 
 
+def e2e_shards(args, image_size: int) -> str:
+    """The shards --end-to-end and --train-py read: --e2e-shards as given, or generated ones."""
+    return args.e2e_shards or make_shards(args.shards_dir, args.samples, shard_pixels(args, image_size))
+
+
 def check_warmup(cfg, warmup: int, device: torch.device) -> None:
     """With a recorded step (trainer.cuda_graph true, or auto on one GPU) the first WARMUP_STEPS steps run eagerly
     and the next one records the graph: timed steps must all be replays."""
@@ -225,7 +231,7 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     cfg = compose_config(base + [token for token in overrides if not token.startswith(MODULE_SETTING)])
     check_warmup(cfg, args.warmup, device)
     if end_to_end:
-        cfg.data.shards = make_shards(args.shards_dir, args.samples, shard_pixels(args, cfg.model.vision.image_size))
+        cfg.data.shards = e2e_shards(args, cfg.model.vision.image_size)
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
     dist_info = DistInfo(0, 1, 0, device)
     preflight(cfg, dist_info, run_dir)  # what train.py refuses, before any work
@@ -242,7 +248,8 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     result = {
         "impl": "stableclip", "model": args.model, "batch": args.batch, "overrides": overrides,
         "end_to_end": end_to_end, "samples_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
-        "shard_px": shard_pixels(args, cfg.model.vision.image_size) if end_to_end else None,
+        "shards": cfg.data.shards if end_to_end else None,
+        "shard_px": shard_pixels(args, cfg.model.vision.image_size) if end_to_end and not args.e2e_shards else None,
         "host_ms": host_seconds * 1e3,
         "pipelined_samples_per_s": args.batch / pipelined, "pipelined_step_ms": pipelined * 1e3,
         "tflops": flops / seconds / 1e12,
@@ -286,7 +293,7 @@ def run_train_py(args) -> dict:
     half of the run (compilation, the graph's capture and the prefetched batches are in the first)."""
     run_dir = tempfile.mkdtemp(prefix="train-py-")
     image_size = compose_config([f"model={args.model}"]).model.vision.image_size
-    shards = make_shards(args.shards_dir, args.samples, shard_pixels(args, image_size))
+    shards = e2e_shards(args, image_size)
     command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
                "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
                f"trainer.max_steps={args.train_py}", f"trainer.log_every={TRAIN_PY_LOG_EVERY}", "trainer.ckpt_every=0",
@@ -320,6 +327,9 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=20000, help="images written for --end-to-end")
     parser.add_argument("--e2e-image-px", type=int, help="--end-to-end: the written images' side (default: 8/7 of "
                                                           "the model's input, 256 px for 224; 768 for originals)")
+    parser.add_argument("--e2e-shards", metavar="PATTERN",
+                        help="--end-to-end and --train-py: read these shards (say, photographs at their own sizes) "
+                             "instead of writing generated ones")
     parser.add_argument("--e2e-warmup-seconds", type=float, default=30.0,
                         help="--end-to-end: steps run this long before the window, to drain batches prefetched "
                              "while compiling")

@@ -36,6 +36,22 @@ def test_throughput_bench_smoke_run(tmp_path):
     assert train_py["best_end_to_end"] == best["end_to_end"]
     assert train_py["vs_best"] == pytest.approx(train_py["samples_per_s"] / best["samples_per_s"])
     assert train_py["vs_best_end_to_end"] == pytest.approx(train_py["samples_per_s"] / rows[1]["samples_per_s"])
+    assert f"data.shards={rows[1]['shards']}" in train_py["command"].split()
+
+
+def test_end_to_end_reads_given_shards(tmp_path, shapes):
+    """--e2e-shards: the loader reads the user's shards (photographs at their own sizes, say); nothing is written."""
+    out = tmp_path / "throughput.json"
+    command = [sys.executable, "bench/throughput.py", "--device", "cpu", "--model", "vit_tiny", "--batch", "8",
+               "--steps", "1", "--warmup", "1", "--end-to-end", "--e2e-shards", shapes["shards"],
+               "--e2e-warmup-seconds", "0", "--e2e-seconds", "0", "--shards-dir", str(tmp_path / "unused"),
+               "--json", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    compute, loaded = json.loads(out.read_text())["rows"]
+    assert compute["shards"] is None and loaded["shards"] == shapes["shards"] and loaded["shard_px"] is None
+    assert loaded["samples_per_s"] > 0 and not (tmp_path / "unused").exists()
 
 
 def test_timing_a_recorded_step_needs_warmup_past_the_capture():

@@ -1,0 +1,27 @@
+"""The loader benchmark's batched-decode probe runs on CPU, so it cannot rot; its GPU figures come from the device."""
+
+import importlib.util
+import io
+import os
+
+from conftest import ROOT
+from PIL import Image
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_loader", os.path.join(ROOT, "bench", "loader.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_batched_decode_times_lists_of_jpegs_and_crops_them():
+    bench = load_bench()
+    images = []
+    for side in (300, 520, 640):
+        buffer = io.BytesIO()
+        Image.new("RGB", (side, side * 3 // 4), (side % 256, 90, 30)).save(buffer, format="JPEG")
+        images.append(buffer.getvalue())
+    result = bench.bench_batched_decode(images, batch=2, passes=2, device="cpu")
+    assert result["device"] == "cpu" and result["batch"] == 2 and len(result["passes"]) == 2
+    assert 0 < result["ms_per_image_min"] <= result["ms_per_image"] and result["cpu_ms_per_image"] > 0
