@@ -232,6 +232,8 @@ def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None,
     check_warmup(cfg, args.warmup, device)
     if end_to_end:
         cfg.data.shards = e2e_shards(args, cfg.model.vision.image_size)
+        if args.e2e_shards:  # given shards may have no sizes.json, from which resampled reading takes its epoch
+            cfg.data.samples_per_epoch = args.samples
         cfg.data.num_workers = cfg.data.num_workers or default_num_workers()
     dist_info = DistInfo(0, 1, 0, device)
     preflight(cfg, dist_info, run_dir)  # what train.py refuses, before any work
@@ -296,6 +298,7 @@ def run_train_py(args) -> dict:
     shards = e2e_shards(args, image_size)
     command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
                "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
+               *([f"data.samples_per_epoch={args.samples}"] if args.e2e_shards else []),
                f"trainer.max_steps={args.train_py}", f"trainer.log_every={TRAIN_PY_LOG_EVERY}", "trainer.ckpt_every=0",
                "trainer.progress=false", f"trainer.device={args.device}", f"trainer.run_dir={run_dir}"]
     subprocess.run(command, check=True, cwd=ROOT)
@@ -324,7 +327,8 @@ def main() -> int:
                              "repeat to measure several in one run")
     parser.add_argument("--end-to-end", action="store_true", help="also time each configuration on the real loader")
     parser.add_argument("--shards-dir", default=os.path.join(tempfile.gettempdir(), "throughput-shards"))
-    parser.add_argument("--samples", type=int, default=20000, help="images written for --end-to-end")
+    parser.add_argument("--samples", type=int, default=20000,
+                        help="images written for --end-to-end (with --e2e-shards: the epoch's length)")
     parser.add_argument("--e2e-image-px", type=int, help="--end-to-end: the written images' side (default: 8/7 of "
                                                           "the model's input, 256 px for 224; 768 for originals)")
     parser.add_argument("--e2e-shards", metavar="PATTERN",

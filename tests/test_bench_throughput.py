@@ -1,11 +1,15 @@
 """The throughput benchmark runs on CPU (tiny model, few steps), so it cannot rot; its figures come from the GPU."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
+
+from src.data.shards import expand_shards
 
 
 def test_throughput_bench_smoke_run(tmp_path):
@@ -40,17 +44,23 @@ def test_throughput_bench_smoke_run(tmp_path):
 
 
 def test_end_to_end_reads_given_shards(tmp_path, shapes):
-    """--e2e-shards: the loader reads the user's shards (photographs at their own sizes, say); nothing is written."""
+    """--e2e-shards: the loader reads the user's shards (photographs at their own sizes, say), which need no
+    sizes.json (--samples is then the epoch's length); nothing is written."""
+    given = tmp_path / "given"
+    given.mkdir()
+    for url in expand_shards(shapes["shards"]):
+        shutil.copy(url, given)
+    pattern = str(given / os.path.basename(shapes["shards"]))
     out = tmp_path / "throughput.json"
     command = [sys.executable, "bench/throughput.py", "--device", "cpu", "--model", "vit_tiny", "--batch", "8",
-               "--steps", "1", "--warmup", "1", "--end-to-end", "--e2e-shards", shapes["shards"],
+               "--steps", "1", "--warmup", "1", "--end-to-end", "--e2e-shards", pattern, "--samples", "64",
                "--e2e-warmup-seconds", "0", "--e2e-seconds", "0", "--shards-dir", str(tmp_path / "unused"),
                "--json", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     compute, loaded = json.loads(out.read_text())["rows"]
-    assert compute["shards"] is None and loaded["shards"] == shapes["shards"] and loaded["shard_px"] is None
+    assert compute["shards"] is None and loaded["shards"] == pattern and loaded["shard_px"] is None
     assert loaded["samples_per_s"] > 0 and not (tmp_path / "unused").exists()
 
 
