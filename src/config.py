@@ -120,6 +120,12 @@ class ResizeMode(Choice):
     squash = "squash"
 
 
+class ResizeOn(Choice):
+    auto = "auto"
+    workers = "workers"
+    device = "device"
+
+
 class LrSchedule(Choice):
     cosine = "cosine"
     constant = "constant"
@@ -267,6 +273,8 @@ class DataConfig:
     image_std: list[float]
     interpolation: Interpolation
     resize_mode: ResizeMode
+    resize_on: ResizeOn
+    device_resize_max_side: int | None
     color_jitter: float
     color_jitter_prob: float
     grayscale_prob: float

@@ -34,6 +34,7 @@ from open_clip.tokenizer import tokenize
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from src.config import DataConfig, DataMode
+from src.data.device_crop import decode_for_device
 from src.data.image_text import OversizedImage, Preprocess, decode_image, image_bytes
 from src.data.processes import shield_worker, start_workers
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
@@ -83,12 +84,15 @@ def decode_caption(sample: dict, bad: BadData) -> str | None:
 
 def decode_sample_pixels(
     sample: dict, bad: BadData, *, frames: int, size: int, rng: random.Random | None, scale_min: float,
-    max_pixels: int | None, flip: bool, preprocess: Preprocess,
-) -> torch.Tensor | None:
-    """`decode_pixels`, or None for a sample to skip, counted by reason (`missing_image`, `oversized_image`,
+    max_pixels: int | None, flip: bool, preprocess: Preprocess, canvas: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """`decode_pixels` (with `canvas`, a training image's canvas and crop box for the device to resize:
+    `decode_for_device`), or None for a sample to skip, counted by reason (`missing_image`, `oversized_image`,
     `corrupt_image`): the one decision of what bad data is, for training and evaluation alike."""
     url = sample["__url__"]
     try:
+        if canvas:
+            return decode_for_device(sample, size, rng, scale_min, max_pixels, canvas, preprocess)
         return decode_pixels(sample, frames, size, rng, scale_min, max_pixels, flip, preprocess=preprocess)
     except KeyError:
         bad.add("missing_image", url)
@@ -159,9 +163,9 @@ class TrainStream(IterableDataset):
     def __init__(
         self, sources: list[list[str]], weights: list[float], cfg: DataConfig, *, batch_size: int,
         image_size: int, context_length: int, seed: int, rank: int, world_size: int, positions: list[dict | None],
-        role_offset: int, bad_counts: list[dict],
+        role_offset: int, bad_counts: list[dict], canvas: int = 0,
     ):
-        self.sources, self.weights, self.cfg = sources, weights, cfg
+        self.sources, self.weights, self.cfg, self.canvas = sources, weights, cfg, canvas
         self.batch_size, self.image_size, self.context_length = batch_size, image_size, context_length
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.positions, self.role_offset, self.bad_counts = positions, role_offset, bad_counts
@@ -191,7 +195,7 @@ class TrainStream(IterableDataset):
         rng = random.Random(f"crop-{self.seed}-{epoch}-{sample['__url__']}-{sample['__key__']}")
         pixels = decode_sample_pixels(sample, bad, frames=self.cfg.frames, size=self.image_size, rng=rng,
                                       scale_min=self.cfg.crop_scale_min, max_pixels=self.cfg.max_image_pixels,
-                                      flip=self.cfg.hflip, preprocess=self.preprocess)
+                                      flip=self.cfg.hflip, preprocess=self.preprocess, canvas=self.canvas)
         return None if pixels is None else (pixels, caption)
 
     def __iter__(self) -> Iterator[dict]:
@@ -212,10 +216,12 @@ class TrainStream(IterableDataset):
             captions.append(decoded[1])
             keys.append(sample["__key__"])
             if len(images) == self.batch_size:
+                # In a worker, default_collate stacks straight into shared memory; torch.stack would make a
+                # private batch that sending it to the training process then copies again.
+                batch = {"images": default_collate(images)} if not self.canvas else dict(
+                    zip(("images", "boxes"), default_collate(images)))
                 yield {
-                    # In a worker, default_collate stacks straight into shared memory; torch.stack would make a
-                    # private batch that sending it to the training process then copies again.
-                    "images": default_collate(images), "tokens": tokenize(captions, self.context_length), "keys": keys,
+                    **batch, "tokens": tokenize(captions, self.context_length), "keys": keys,
                     "reader": ReaderState(role, reader.current_position().to_state(),
                                           {"counts": dict(bad.counts), "shards": dict(bad.shards)}),
                 }
@@ -224,11 +230,12 @@ class TrainStream(IterableDataset):
 
 class TrainLoader:
     """Iterates this rank's batches ({"images": uint8 (B, 3, H, W), "tokens": (B, L), "keys": [...]}) and
-    knows its own resume position."""
+    knows its own resume position. With `canvas` (src/data/device_crop.py) "images" are (B, 3, canvas, canvas)
+    canvases and "boxes" (B, 4) their crops, for `resize_crops` on the training device."""
 
     def __init__(
         self, cfg: DataConfig, *, image_size: int, context_length: int, seed: int, rank: int = 0,
-        world_size: int = 1, pin_memory: bool = False,
+        world_size: int = 1, pin_memory: bool = False, canvas: int = 0,
     ):
         check_batch_size(cfg.batch_size, world_size)
         if cfg.mode not in MODES:
@@ -246,7 +253,7 @@ class TrainLoader:
             shards_for_reader(shards, seed=seed, epoch=0, reader=0, num_readers=world_size * num_roles)
         self.kwargs = dict(
             batch_size=cfg.batch_size // world_size, image_size=image_size, context_length=context_length,
-            seed=seed, rank=rank, world_size=world_size,
+            seed=seed, rank=rank, world_size=world_size, canvas=canvas,
         )
         self.pin_memory = pin_memory
         self.positions: list[dict | None] = [None] * num_roles

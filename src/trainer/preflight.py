@@ -17,7 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from src.config import LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
+from src.config import DataConfig, LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
+from src.data.device_crop import device_path_blocker
 from src.data.loader import check_batch_size, image_folder, resolve_sources
 from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
@@ -87,6 +88,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.image_mean", lambda v: len(v) == 3 and all(FINITE(m) for m in v), "three finite numbers (R, G, B)"),
     ("data.image_std", lambda v: len(v) == 3 and all(FINITE(s) and s > 0 for s in v),
      "three finite numbers above 0 (R, G, B)"),
+    ("data.device_resize_max_side", lambda v: v is None or v >= 1, "at least 1 (or null: 8/7 of the image size)"),
     ("data.color_jitter", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("data.color_jitter_prob", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.grayscale_prob", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
@@ -135,6 +137,9 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
     (("model.vision.image_size", "model.vision.patch_size"), lambda size, patch: size % patch == 0,
      "model.vision.image_size must be a multiple of model.vision.patch_size"),
+    (("data.device_resize_max_side", "model.vision.image_size"), lambda side, size: side is None or side >= size,
+     "data.device_resize_max_side must be at least model.vision.image_size (a crop resized in the workers fills "
+     "size x size pixels of the canvas); null picks 8/7 of it"),
     (("model.init_logit_scale", "model.max_logit_scale"), lambda init, top: init <= top,
      "model.init_logit_scale must not exceed model.max_logit_scale (the scale is clamped there after every step)"),
     (("spikes.attribution_min", "spikes.attribution_max"), lambda low, high: low <= high,
@@ -200,6 +205,13 @@ def check_data_parallel(data_parallel: str, video: bool) -> None:
         # process groups, frozen blocks and checkpoints are built and tested for DDP.
         raise ValueError("trainer.data_parallel=fsdp2 does not support video fine-tuning (data.frames > 0), which "
                          "runs on data- and sequence-parallel groups of its own: use trainer.data_parallel=ddp")
+
+
+def check_resize_on(data: DataConfig) -> None:
+    blocker = device_path_blocker(data) if data.resize_on == "device" else None
+    if blocker:
+        raise ValueError(f"data.resize_on=device cannot apply here: {blocker}. Set data.resize_on=auto (the device "
+                         "where it can) or workers")
 
 
 def readable(path: str) -> str | None:
@@ -328,6 +340,7 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: check_sp_size(cfg.trainer.sp_size, dist_info.world_size),
         lambda: check_data_parallel(cfg.trainer.data_parallel, video),
         lambda: check_heads(model, video),
+        lambda: check_resize_on(cfg.data),
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
         # `auto` records only where a recording works (src/trainer/fast_path.py): only `true` can be refused.
         lambda: cfg.trainer.cuda_graph is not True or check_cuda_graph(dist_info.device, dist_info.world_size,

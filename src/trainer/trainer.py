@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config import TrainConfig
+from src.data.device_crop import resize_crops, resolve_resize_on
 from src.data.image_text import ImageNormalizer, Preprocess
 from src.data.loader import TrainLoader
 from src.kernels.dispatch import apply_kernels
@@ -143,10 +144,13 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
     device = dist_info.device
     model = build_model(cfg, lambda: clip.build_model(cfg.model, device))
     if loader is None:
+        canvas, where = resolve_resize_on(cfg.data, cfg.model.vision.image_size, device)
+        if dist_info.is_main:
+            log.info(where)
         loader = TrainLoader(
             cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
             seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
-            pin_memory=device.type == "cuda",
+            pin_memory=device.type == "cuda", canvas=canvas,
         )
     normalize = image_normalizer(cfg, device)
     contrastive = contrastive_loss(cfg.loss)
@@ -156,7 +160,10 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
 
     def features(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> Features:
         """The model's outputs: image and text features, logit scale, and the logit bias of loss=siglip."""
-        images = normalize(batch["images"].to(device, non_blocking=True))
+        images = batch["images"].to(device, non_blocking=True)
+        if "boxes" in batch:  # canvases of crops to resize here (data.resize_on)
+            images = resize_crops(images, batch["boxes"].to(device, non_blocking=True), cfg.model.vision.image_size)
+        images = normalize(images)
         tokens = batch["tokens"].to(device, non_blocking=True)
         return forward_model(images, tokens)
 
