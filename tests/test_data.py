@@ -4,8 +4,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import struct
 import tarfile
+import threading
 import time
 import zlib
 from dataclasses import replace
@@ -18,6 +20,7 @@ from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
 from src.data.image_text import OversizedImage, Preprocess
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
+from src.data.processes import CommandStream
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import decode_clip
 from src.tools.synthetic_shapes import draw_sample, where
@@ -488,6 +491,34 @@ def test_a_pipe_command_is_stopped_with_its_children_when_reading_stops(tmp_path
         assert time.monotonic() < deadline, f"the pipe command's child {sleeper} still runs after the reader stopped"
         time.sleep(0.05)
 
+
+def test_a_pipe_command_dies_with_its_reading_thread_when_sighup_was_ignored(tmp_path):
+    """A trainer under nohup ignores SIGHUP, and so would the shell supervising a pipe: command, which could then
+    not trap the SIGHUP sent when its reader dies: the command outlived a SIGKILLed trainer."""
+    pid_file = tmp_path / "sleeper"
+    started, running = [], threading.Event()
+
+    def read() -> None:
+        started.append(CommandStream(f"sleep 300 & echo $! > {pid_file}; wait"))
+        running.wait(10)  # until the command runs; then the thread ends, and the kernel sends its shell SIGHUP
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline, "the command did not start"
+            time.sleep(0.05)
+        running.set()
+        reader.join()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    sleeper = int(pid_file.read_text())
+    while (stat := proc_stat(sleeper)) is not None and stat[1][0] != "Z":
+        assert time.monotonic() < deadline, f"the command's child {sleeper} outlived its reading thread"
+        time.sleep(0.05)
+    started[0].proc.wait()
 
 
 def test_sizes_fall_back_to_img2dataset_stats(tmp_path, shapes):

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True)
 # Off Linux there is no prctl: workers then rely on the parent check alone.
-_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+_PRCTL = getattr(_LIBC, "prctl", None)
+SIG_DFL = 0  # <signal.h>
 # How often a worker checks that its trainer is still its parent (the fallback to the kernel's death signal).
 PARENT_CHECK_S = 1.0
 # The command runs in the background of a shell that waits for it. The shell gets SIGHUP when the worker that
@@ -78,6 +80,9 @@ def prepare_command(reader: int) -> None:
     needs), and SIGHUP when the reader's thread ends."""
     os.setpgid(0, 0)
     signal.pthread_sigmask(signal.SIG_SETMASK, STOP_SIGNALS)
+    # A shell cannot trap a signal ignored when it started, and a trainer run under nohup ignores SIGHUP, as its
+    # workers then do. libc's signal(), not signal.signal: this may be a worker's reading thread, not its main one.
+    _LIBC.signal(signal.SIGHUP, SIG_DFL)
     die_with_parent(signal.SIGHUP)
     if os.getppid() != reader:
         os._exit(1)
