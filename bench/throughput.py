@@ -40,7 +40,6 @@ import gc
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -220,8 +219,13 @@ def check_warmup(cfg, warmup: int, device: torch.device) -> None:
 
 
 def measure(args, overrides: list[str], end_to_end: bool, ceiling: float | None, trace: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="throughput-") as run_dir:  # the run's files are of no use afterwards
+        return measure_in(run_dir, args, overrides, end_to_end, ceiling, trace)
+
+
+def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceiling: float | None,
+               trace: str | None) -> dict:
     device = torch.device(args.device)
-    run_dir = tempfile.mkdtemp(prefix="throughput-")
     base = [f"model={args.model}", "precision=bf16", "optim=adamw", "logger=none", f"data.batch_size={args.batch}",
             f"trainer.device={args.device}", "trainer.progress=false", f"trainer.run_dir={run_dir}"]
     # Compute-only steps take their batch from memory: data.generate=true tells preflight that the synthetic
@@ -280,12 +284,13 @@ MODULE_SETTING = "py:"  # the prefix of a --set token that sets a module-level v
 
 
 def run_peer(args) -> dict:
-    out = os.path.join(tempfile.mkdtemp(prefix="peer-"), "peer.json")
-    command = [sys.executable, args.peer, "--model", OPENCLIP_NAMES[args.model], "--batch", str(args.batch),
-               "--steps", str(args.steps), "--json", out]
-    subprocess.run(command, check=True)
-    with open(out) as f:
-        return json.load(f)
+    with tempfile.TemporaryDirectory(prefix="peer-") as directory:
+        out = os.path.join(directory, "peer.json")
+        command = [sys.executable, args.peer, "--model", OPENCLIP_NAMES[args.model], "--batch", str(args.batch),
+                   "--steps", str(args.steps), "--json", out]
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def run_train_py(args) -> dict:
@@ -293,18 +298,18 @@ def run_train_py(args) -> dict:
     performance flags, on the --end-to-end shards; its rate is what the training log reports (`train/samples_per_s`
     of metrics.jsonl: one figure per logging window, sync to sync), the median over the windows after the first
     half of the run (compilation, the graph's capture and the prefetched batches are in the first)."""
-    run_dir = tempfile.mkdtemp(prefix="train-py-")
     image_size = compose_config([f"model={args.model}"]).model.vision.image_size
     shards = e2e_shards(args, image_size)
-    command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
-               "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
-               *([f"data.samples_per_epoch={args.samples}"] if args.e2e_shards else []),
-               f"trainer.max_steps={args.train_py}", f"trainer.log_every={TRAIN_PY_LOG_EVERY}", "trainer.ckpt_every=0",
-               "trainer.progress=false", f"trainer.device={args.device}", f"trainer.run_dir={run_dir}"]
-    subprocess.run(command, check=True, cwd=ROOT)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    shutil.rmtree(run_dir)  # its checkpoint is a whole model's
+    with tempfile.TemporaryDirectory(prefix="train-py-") as run_dir:  # its checkpoint is a whole model's
+        command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
+                   "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
+                   *([f"data.samples_per_epoch={args.samples}"] if args.e2e_shards else []),
+                   f"trainer.max_steps={args.train_py}", f"trainer.log_every={TRAIN_PY_LOG_EVERY}",
+                   "trainer.ckpt_every=0", "trainer.progress=false", f"trainer.device={args.device}",
+                   f"trainer.run_dir={run_dir}"]
+        subprocess.run(command, check=True, cwd=ROOT)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
     windows = {r["step"] // TRAIN_PY_LOG_EVERY: r["train/samples_per_s"] for r in records
                if "train/samples_per_s" in r and r["step"] >= args.train_py // 2}
     rates = sorted(windows.values())

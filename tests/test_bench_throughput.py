@@ -20,9 +20,12 @@ def test_throughput_bench_smoke_run(tmp_path):
                "--shards-dir", str(tmp_path / "shards"), "--json", str(out), "--train-py", "4",
                "--e2e-image-px", "40",
                "--set", "trainer.log_every=1 py:src.kernels.residual_norm.ROWS=16"]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not any(p.name.startswith(("throughput-", "train-py-")) for p in scratch.iterdir())  # nothing left behind
     *rows, train_py = json.loads(out.read_text())["rows"]
     assert [row["end_to_end"] for row in rows] == [False, True] and rows[1]["shard_px"] == 40
     assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)
