@@ -8,6 +8,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from src.models.clip import build_model
 from src.parallel.distributed import DistInfo
 from src.trainer.preflight import preflight
 from src.trainer.trainer import Trainer
@@ -62,7 +63,14 @@ def test_spike_demo_gpu_trains_on_a_cpu(shapes, tmp_path, optim):
     assert all(math.isfinite(r["train/loss"]) and r["optim/rms/patch_embed"] > 0 for r in steps)
     # A factor of -1e6 flags every checked step, falling loss or not: the detector runs and writes its events.
     events = [json.loads(line) for line in (tmp_path / optim / "spikes.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["type"] == "loss"] == [2]  # steps 2-5: one event, merged
+    loss_events = [e for e in events if e["type"] == "loss"]
+    assert [e["step"] for e in loss_events] == [2]  # steps 2-5: one event, merged
+    # The event names the largest update over all tensors in the 1-8 steps before it: steps 0 and 1 here.
+    largest = max(steps[:2], key=lambda r: r["optim/rms_max"])
+    assert loss_events[0]["largest_rms"]["step"] == largest["step"]
+    assert loss_events[0]["largest_rms"]["rms"] == pytest.approx(largest["optim/rms_max"])
+    model = build_model(compose_config(overrides + [f"trainer.run_dir={tmp_path / 'names'}"]).model)
+    assert loss_events[0]["largest_rms"]["tensor"] in dict(model.named_parameters())
     assert 0 <= records[-1]["eval/zeroshot_top1"] <= 1
 
 

@@ -26,11 +26,12 @@ def clean_series(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return loss, rms
 
 
-def run(detector: SpikeDetector, loss, rms, steps=None) -> list[dict]:
+def run(detector: SpikeDetector, loss, rms, steps=None, largest=None) -> list[dict]:
     steps = range(len(loss)) if steps is None else steps
     events = []
     for step in steps:
-        events += detector.update(int(step), float(loss[step]), float(rms[step]))
+        events += detector.update(int(step), float(loss[step]), float(rms[step]),
+                                  None if largest is None else largest[step])
     return events
 
 
@@ -93,6 +94,7 @@ def test_injected_spikes_found_merged_and_attributed():
         assert event["lag"] == lag, event
         assert event["loss"] == pytest.approx(loss[event["step"]])
         assert event["nonfinite"] is False
+        assert event["largest_rms"] is None  # no step named its largest update
     assert rms_events[RMS_SPIKES.index(2800)]["rms"] == 2.3
     assert detector.counts() == {"loss_spikes": 9, "rms_spikes": 8, "loss_spikes_preceded": 3}
     for event in events:
@@ -185,17 +187,52 @@ def test_closest_rms_event_wins_attribution():
     assert (events[2]["rms_spike_step"], events[2]["lag"]) == (1197, 3)
 
 
+def test_loss_events_name_the_largest_update_rms_in_the_attribution_window():
+    """The largest update over all tensors 1-8 steps before a loss spike, whichever tensor: the 1500 spike has no
+    patch-embedding RMS spike before it, and the tensor whose update outran its second moment is named."""
+    loss, rms = spiky_series()
+    largest = [(1.0, "quiet") for _ in range(N_STEPS)]
+    largest[1497] = (6.0, "visual.transformer.resblocks.3.mlp.c_fc.weight")
+    largest[1491] = (9.0, "nine steps before: outside 1-8")
+    largest[1500] = (12.0, "the spike's own step: lag 0 does not count")
+    largest[1495] = (math.nan, "non-finite: ignored")
+    events = run(SpikeDetector(cfg()), loss, rms, largest=largest)
+    by_step = {e["step"]: e for e in events if e["type"] == "loss"}
+    assert by_step[1500]["largest_rms"] == {"step": 1497, "rms": 6.0,
+                                            "tensor": "visual.transformer.resblocks.3.mlp.c_fc.weight"}
+    assert by_step[1500]["preceded_by_rms_spike"] is False
+    # Ties go to the earliest step of the window.
+    assert by_step[1200]["largest_rms"] == {"step": 1192, "rms": 1.0, "tensor": "quiet"}
+    for event in events:
+        json.dumps(event, allow_nan=False)
+
+
+def test_a_state_without_largest_updates_still_loads():
+    """Checkpoints written before loss events named the largest update."""
+    loss, rms = spiky_series()
+    reference = SpikeDetector(cfg())
+    run(reference, loss, rms, steps=range(1400))
+    state = reference.state_dict()
+    del state["largest_rms"]
+    resumed = SpikeDetector(cfg())
+    resumed.load_state_dict(state)
+    assert run(resumed, loss, rms, steps=range(1400, N_STEPS)) == run(reference, loss, rms,
+                                                                       steps=range(1400, N_STEPS))
+
+
 @pytest.mark.parametrize("split", [1197, 1801, 1810, 2395, 2601])
 def test_state_dict_round_trip_gives_identical_future_events(split):
     loss, rms = spiky_series()
+    largest = [(float(r) * 2, f"tensor{step % 7}") for step, r in enumerate(rms)]
     reference = SpikeDetector(cfg())
-    run(reference, loss, rms, steps=range(split))
+    run(reference, loss, rms, steps=range(split), largest=largest)
     state = json.loads(json.dumps(reference.state_dict()))  # must survive plain serialisation
 
     resumed = SpikeDetector(cfg())
     resumed.load_state_dict(state)
     rest = range(split, N_STEPS)
-    assert run(resumed, loss, rms, steps=rest) == run(reference, loss, rms, steps=rest)
+    assert run(resumed, loss, rms, steps=rest, largest=largest) == run(reference, loss, rms, steps=rest,
+                                                                       largest=largest)
     assert resumed.counts() == reference.counts()
     assert resumed.state_dict() == reference.state_dict()
 

@@ -21,6 +21,9 @@ Choices the paper leaves open:
 - An event is emitted at its first step; later spike steps within ``merge_within`` steps of the
   event's most recent spike step extend it silently, so a run of spiky steps is one event.
 - Attribution uses RMS events' first steps; with several candidates the closest one wins.
+- Each loss event also names the tensor with the largest update RMS over the attribution window
+  (``largest_rms``), whichever tensor it is: a spike the patch embedding did not lead still shows
+  which update outran its second moment.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from src.config import SpikesConfig
 
 
 class SpikeDetector:
-    """Feed one (step, loss, patch-embedding RMS) triple per logged step; get back new events."""
+    """Feed one (step, loss, patch-embedding RMS) triple per logged step, with the step's largest update RMS
+    over all tensors and that tensor's name where known; get back new events."""
 
     def __init__(self, config: SpikesConfig) -> None:
         self.config = config
@@ -43,13 +47,19 @@ class SpikeDetector:
         self._last_loss_spike: int | None = None
         self._last_rms_spike: int | None = None
         self._rms_event_starts: list[int] = []
+        self._largest_rms: list[tuple[int, float, str]] = []  # (step, RMS, tensor) within the attribution window
         self._counts = {"loss_spikes": 0, "rms_spikes": 0, "loss_spikes_preceded": 0}
 
-    def update(self, step: int, loss: float, patch_embed_rms: float | None) -> list[dict[str, Any]]:
-        """Consume one step (steps must increase, gaps allowed); return the events that start here."""
+    def update(self, step: int, loss: float, patch_embed_rms: float | None,
+               largest_rms: tuple[float, str] | None = None) -> list[dict[str, Any]]:
+        """Consume one step (steps must increase, gaps allowed); return the events that start here.
+        `largest_rms`: the step's largest update RMS over all tensors and that tensor's name."""
         cfg = self.config
         detect = step >= cfg.ignore_first
         events: list[dict[str, Any]] = []
+        if largest_rms is not None and math.isfinite(largest_rms[0]):
+            self._largest_rms.append((step, float(largest_rms[0]), largest_rms[1]))
+        self._largest_rms = [e for e in self._largest_rms if step - e[0] <= cfg.attribution_max]
 
         # RMS first so that, with attribution_min = 0, a same-step RMS spike can be attributed.
         if detect and patch_embed_rms is not None and math.isfinite(patch_embed_rms):
@@ -79,6 +89,8 @@ class SpikeDetector:
             return events
         lags = (step - s for s in self._rms_event_starts)
         lag = min((x for x in lags if cfg.attribution_min <= x <= cfg.attribution_max), default=None)
+        window = [e for e in self._largest_rms if cfg.attribution_min <= step - e[0]]
+        largest = max(window, key=lambda e: e[1], default=None)
         self._counts["loss_spikes"] += 1
         self._counts["loss_spikes_preceded"] += int(lag is not None)
         events.append(
@@ -92,6 +104,8 @@ class SpikeDetector:
                 "preceded_by_rms_spike": lag is not None,
                 "rms_spike_step": None if lag is None else step - lag,
                 "lag": lag,
+                "largest_rms": None if largest is None else {"step": largest[0], "rms": largest[1],
+                                                             "tensor": largest[2]},
             }
         )
         return events
@@ -105,6 +119,7 @@ class SpikeDetector:
             "last_loss_spike": self._last_loss_spike,
             "last_rms_spike": self._last_rms_spike,
             "rms_event_starts": list(self._rms_event_starts),
+            "largest_rms": [list(e) for e in self._largest_rms],
             "counts": dict(self._counts),
         }
 
@@ -113,6 +128,8 @@ class SpikeDetector:
         self._last_loss_spike = state["last_loss_spike"]
         self._last_rms_spike = state["last_rms_spike"]
         self._rms_event_starts = list(state["rms_event_starts"])
+        # Checkpoints written before loss events named the largest update have none to restore.
+        self._largest_rms = [(int(s), float(r), str(t)) for s, r, t in state.get("largest_rms", [])]
         self._counts = dict(state["counts"])
 
     def _extends(self, last_spike: int | None, step: int) -> bool:

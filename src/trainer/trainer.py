@@ -234,6 +234,8 @@ class Trainer:
         # After FSDP2's sharding: each rank then averages its own shards.
         self.ema = ModelEMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
         self.patch_embed = dict(self.model.named_parameters())[self.parts.patch_embed]
+        self.rms_params: list[torch.nn.Parameter] = []  # update_rms's parameters, in the order of its RMS tensor
+        self.param_names = {id(p): name for name, p in self.model.named_parameters()}
         self.spikes = SpikeDetector(cfg.spikes)
         self.progress = Progress(world_size=dist_info.world_size)
         # A resume applies changed optimizer settings (src/trainer/optim_resume.py) and says which.
@@ -328,6 +330,8 @@ class Trainer:
             patch = next(i for i, p in enumerate(params) if p is self.patch_embed)
             values["rms_patch_embed"] = per_tensor[patch]
             values["rms_max"] = per_tensor.max()
+            values["rms_max_tensor"] = per_tensor.argmax()  # an index into params, named at the logging sync
+            self.rms_params = params
             values["clipped_frac"] = (per_tensor > self.cfg.optim.clip_threshold).float().mean()
         return values
 
@@ -417,7 +421,7 @@ class Trainer:
         bad_data = self.loader.bad_counts()  # this rank's, cumulative
         records = []
         for (step, lr, _), row in zip(pending, rows):
-            record = {METRIC_NAMES[name]: value for name, value in zip(names, row)}
+            record = {METRIC_NAMES[name]: value for name, value in zip(names, row) if name != "rms_max_tensor"}
             record.update({"train/lr": lr, "train/samples_per_s": samples_per_s, "train/epoch": self.loader.epoch})
             record.update({f"data/bad/{reason}": n for reason, n in bad_data.items()})
             streak = self.progress.nonfinite_streak + 1 if record["train/skipped_step"] else 0
@@ -425,15 +429,22 @@ class Trainer:
             if streak and self.dist.is_main:
                 log.warning("step %d: non-finite gradients, update skipped (%d in a row)", step, streak)
             if self.dist.is_main and self.cfg.spikes.enabled:
-                record.update(self.detect_spikes(step, record))
+                largest = None
+                if "rms_max_tensor" in names:
+                    largest = (record["optim/rms_max"], self.param_name(int(row[names.index("rms_max_tensor")])))
+                record.update(self.detect_spikes(step, record, largest))
             self.metrics.log(step, record)
             records.append({"step": step, **record})
         self.metrics.flush(self.progress.step,
                            {"loss": record["train/loss"], "lr": pending[-1][1], "samples/s": samples_per_s})
         return records, window_end
 
-    def detect_spikes(self, step: int, record: dict) -> dict:
-        events = self.spikes.update(step, record["train/loss"], record.get("optim/rms/patch_embed"))
+    def param_name(self, index: int) -> str:
+        """The name of update_rms's `index`-th parameter (its order is the optimizer's, the same every step)."""
+        return self.param_names.get(id(self.rms_params[index]), "?")
+
+    def detect_spikes(self, step: int, record: dict, largest_rms: tuple[float, str] | None) -> dict:
+        events = self.spikes.update(step, record["train/loss"], record.get("optim/rms/patch_embed"), largest_rms)
         for event in events:
             self.metrics.event("spikes.jsonl", event)
             if event["type"] == "loss" and self.cfg.spikes.alert:
