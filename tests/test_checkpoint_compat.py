@@ -66,7 +66,9 @@ def test_a_checkpoint_written_before_the_registry_resumes_and_trains_on(tmp_path
     assert_equal(load("model"), trainer.model.state_dict(), "model")
     assert_equal(saved["optimizer"], trainer.optimizer.state_dict(), "optimizer")
     assert_equal(saved["scheduler"], trainer.scheduler.state_dict(), "scheduler")
-    assert_equal(saved["spikes"], trainer.spikes.state_dict(), "spikes")
+    spikes = trainer.spikes.state_dict()
+    assert spikes.pop("largest_rms") == []  # the detector's state then had no largest updates to restore
+    assert_equal(saved["spikes"], spikes, "spikes")
     assert_equal(load("rank_0")["data"], trainer.loader.state_dict(), "data")
 
     trainer.fit()

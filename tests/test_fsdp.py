@@ -177,8 +177,10 @@ def assert_same_metrics(got: dict[int, dict], want: dict[int, dict], steps, rel:
         assert got[step].keys() == want[step].keys(), step
         for key, value in want[step].items():
             # The update RMS statistics include the key biases', whose gradients are rounding noise (see
-            # assert_same_tensors): their last digits follow the summation order, which differs by CPU.
-            tolerance = max(rel, 1e-4) if key.startswith("optim/rms") else rel
+            # assert_same_tensors): their last digits follow the summation order, which differs by CPU. The
+            # gradient norm sums per-shard squares, in another order than DDP's whole tensors; between runs of
+            # this test its difference at steps 2-3 ranged from 8e-7 to 1.4e-5 (relative).
+            tolerance = max(rel, 1e-4) if key.startswith("optim/rms") or key == "train/grad_norm" else rel
             assert got[step][key] == pytest.approx(value, rel=tolerance, abs=1e-6), (step, key)
 
 
