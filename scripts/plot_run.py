@@ -14,6 +14,7 @@ import argparse
 import math
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,8 +221,9 @@ def plot(runs: list[Run], out: Path) -> None:
 
 def summary(run: Run) -> dict[str, Any]:
     """A run's figures: steps, the mean loss of its last 10 logged steps, the detector's counts (spikes.jsonl),
-    the share of loss spikes preceded by a patch-embedding RMS spike, the last zero-shot top-1 and the median
-    step time over the run's second half (the first windows include compilation)."""
+    the share of loss spikes preceded by a patch-embedding RMS spike, the last zero-shot top-1, the median
+    step time over the run's second half (the first windows include compilation), and the tensors that loss
+    events name as the largest update before them, most often named first."""
     steps, losses = run.series(LOSS)
     loss_events = [e for e in run.spikes if e.get("type") == "loss"]
     preceded = sum(bool(e.get("preceded_by_rms_spike")) for e in loss_events)
@@ -229,6 +231,8 @@ def summary(run: Run) -> dict[str, Any]:
     rate_steps, rates = run.series("train/samples_per_s", positive=True)
     late = sorted(r for s, r in zip(rate_steps, rates) if s > rate_steps[-1] / 2) if rates else []
     final = [x for x in losses[-10:] if math.isfinite(x)]
+    # Events written before the detector named the largest update have no largest_rms.
+    leaders = Counter(e["largest_rms"]["tensor"] for e in loss_events if e.get("largest_rms"))
     return {
         "run": run.label, "steps": int(steps[-1]) if steps else 0,
         "final_loss": sum(final) / len(final) if final else None,
@@ -237,6 +241,7 @@ def summary(run: Run) -> dict[str, Any]:
         "zeroshot_top1": top1[-1] if top1 else None,
         "samples_per_s": late[len(late) // 2] if late else None,
         "step_ms": 1000 * run.batch_size / late[len(late) // 2] if late and run.batch_size else None,
+        "largest_rms_tensors": ",".join(f"{name}:{n}" for name, n in leaders.most_common()) or None,
     }
 
 

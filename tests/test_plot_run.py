@@ -57,6 +57,7 @@ def write_run(run_dir: Path, optim: str, *, with_scaler: bool = True, n: int = 3
             "preceded_by_rms_spike": True,
             "rms_spike_step": 196,
             "lag": 4,
+            "largest_rms": {"step": 196, "rms": 3.0, "tensor": "visual.conv1.weight"},
         },
         {
             "type": "loss",
@@ -196,6 +197,7 @@ def test_summary_gives_the_runs_figures(tmp_path, capsys):
     assert (row["loss_spikes"], row["rms_spikes"], row["preceded"], row["preceded_share"]) == (2, 1, 1, 0.5)
     assert row["zeroshot_top1"] == pytest.approx(250 / 300)
     assert row["samples_per_s"] == 401.0 and row["step_ms"] == pytest.approx(1000 * 2048 / 401.0)
+    assert row["largest_rms_tensors"] == "visual.conv1.weight:1"  # the other event names none (an older file)
     assert plot_run.main(["--summary", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "loss_spikes=2" in out and "preceded_share=0.5" in out and not (run_dir / "plot.png").exists()
