@@ -440,7 +440,8 @@ class Trainer:
         return records, window_end
 
     def param_name(self, index: int) -> str:
-        """The name of update_rms's `index`-th parameter (its order is the optimizer's, the same every step)."""
+        """The name of update_rms's `index`-th parameter in the window's last step. Its order is the optimizer's,
+        the same every step unless a parameter gains or loses its gradient within the window."""
         return self.param_names.get(id(self.rms_params[index]), "?")
 
     def detect_spikes(self, step: int, record: dict, largest_rms: tuple[float, str] | None) -> dict:
