@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,11 +27,34 @@ def data_overrides(shapes: dict[str, str]) -> list[str]:
     return [f"data.shards='{shapes['shards']}'", f"data.eval_shards='{shapes['eval_shards']}'", "data.generate=false"]
 
 
+def run_with_stacks(command: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                    **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True), except that a command still running after
+    `timeout` seconds fails the test with every Python stack of its process group: faulthandler (on by
+    PYTHONFAULTHANDLER) prints them on the SIGABRT sent to the group, the command's children and loader workers
+    included, so a hang that happens only under a loaded CI machine shows where it waited."""
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGABRT)
+            try:
+                stdout, stderr = process.communicate(timeout=30)
+            finally:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"{' '.join(command)} still ran after {timeout} s; its stacks:\n"
+                                 f"{stdout[-3000:]}\n{stderr[-20000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def run_train(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
     command = (launcher if torchrun else [sys.executable]) + [os.path.join(ROOT, "train.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = run_with_stacks(command, cwd=ROOT, env=env, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_with_stacks
 
 from src.data.shards import expand_shards
 
@@ -22,8 +22,8 @@ def test_throughput_bench_smoke_run(tmp_path):
                "--set", "trainer.log_every=1 py:src.kernels.residual_norm.ROWS=16"]
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "TMPDIR": str(scratch)})
+    result = run_with_stacks(command, cwd=ROOT, timeout=300,
+                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert not any(p.name.startswith(("throughput-", "train-py-")) for p in scratch.iterdir())  # nothing left behind
     *rows, train_py = json.loads(out.read_text())["rows"]
@@ -59,8 +59,7 @@ def test_end_to_end_reads_given_shards(tmp_path, shapes):
                "--steps", "1", "--warmup", "1", "--end-to-end", "--e2e-shards", pattern, "--samples", "64",
                "--e2e-warmup-seconds", "0", "--e2e-seconds", "0", "--shards-dir", str(tmp_path / "unused"),
                "--json", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    result = run_with_stacks(command, cwd=ROOT, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     compute, loaded = json.loads(out.read_text())["rows"]
     assert compute["shards"] is None and loaded["shards"] == pattern and loaded["shard_px"] is None
@@ -73,8 +72,7 @@ def test_timing_a_recorded_step_needs_warmup_past_the_capture():
     def bench(warmup: int) -> subprocess.CompletedProcess:
         command = [sys.executable, "bench/throughput.py", "--device", "cpu", "--model", "vit_tiny", "--batch", "8",
                    "--steps", "1", "--warmup", str(warmup), "--set", "trainer.cuda_graph=true"]
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        return run_with_stacks(command, cwd=ROOT, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
     result = bench(WARMUP_STEPS)
     assert result.returncode != 0
