@@ -359,6 +359,43 @@ def bench_batched_decode(images: list[bytes], batch: int, passes: int, device: s
             "ms_per_image_min": min(walls), "cpu_ms_per_image": statistics.median(cpus), "passes": walls}
 
 
+NVIMGCODEC_BACKENDS = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
+
+
+def bench_nvimgcodec_decode(images: list[bytes], batch: int, passes: int, backend: str, crop: bool) -> dict:
+    """nvImageCodec's batched decode of `batch` JPEGs at once on the GPU through one `backend` (HW_GPU_ONLY: the
+    chip's JPEG engines; GPU_ONLY and HYBRID_CPU_GPU: nvJPEG on the SMs, Huffman decoding on the GPU or the host),
+    and with `crop` each image's random resized crop there (torchvision's antialiased resize, one image at a time):
+    wall and host CPU time per image, the median pass. EXIF orientation is ignored, as PIL and torchvision ignore it."""
+    from nvidia import nvimgcodec
+
+    decoder = nvimgcodec.Decoder(backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, backend))])
+    params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB)
+    chunks = [[nvimgcodec.CodeStream(data) for data in images[i : i + batch]] for i in range(0, len(images), batch)]
+
+    def decode(chunk, rng):
+        out = [torch.as_tensor(image, device="cuda") for image in decoder.decode(chunk, params=params)]
+        if crop:
+            out = [crop_uint8(image.permute(2, 0, 1), rng) for image in out]
+        return out
+
+    first = decode(chunks[0], random.Random(0))  # warm-up: the decoder's resources
+    assert len(first) == len(chunks[0]) and all(image is not None for image in first)
+    walls, cpus = [], []
+    for p in range(passes):
+        rng = random.Random(p)
+        torch.cuda.synchronize()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for chunk in chunks:
+            decode(chunk, rng)
+        torch.cuda.synchronize()
+        walls.append(1000 * (time.perf_counter() - wall) / len(images))
+        cpus.append(1000 * (time.process_time() - cpu) / len(images))
+    return {"device": "cuda", "backend": backend, "batch": batch, "crop": crop,
+            "ms_per_image": statistics.median(walls), "ms_per_image_min": min(walls),
+            "cpu_ms_per_image": statistics.median(cpus), "passes": walls}
+
+
 # ----------------------------------------------------------------------------------------------- report
 
 
@@ -372,9 +409,10 @@ def print_tables(results: list[dict], ratios: dict, decode: dict) -> None:
         print(f"ours/OpenCLIP at workers={workers}: {ratio['images_per_s']:.2f}x images/s, "
               f"{ratio['cpu_ms_per_image']:.2f}x CPU time per image")
     if decode:
-        print(f"\n{'decode strategy (one process)':<48} {'ms/image':>8} {'min':>7}")
+        print(f"\n{'decode strategy (one process)':<56} {'ms/image':>8} {'min':>7} {'host CPU':>8}")
         for name, d in decode.items():
-            print(f"{name:<48} {d['ms_per_image']:>8.2f} {d['ms_per_image_min']:>7.2f}")
+            cpu = f"{d['cpu_ms_per_image']:>8.3f}" if "cpu_ms_per_image" in d else ""
+            print(f"{name:<56} {d['ms_per_image']:>8.3f} {d['ms_per_image_min']:>7.3f} {cpu}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched-decode", type=int, default=0, metavar="BATCH",
                         help="also time decode_jpeg on lists of BATCH JPEGs on --decode-device (0: skip)")
     parser.add_argument("--decode-device", default="cuda", help="--batched-decode's device (cuda: nvJPEG)")
+    parser.add_argument("--nvimgcodec", type=int, default=0, metavar="BATCH",
+                        help="also time nvImageCodec's batched GPU decode of BATCH JPEGs at once, through each backend "
+                             "(a GPU and the nvidia-nvimgcodec and nvidia-nvjpeg wheels needed)")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the main process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
@@ -444,6 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.batched_decode > 0:
         decode[f"decode_jpeg, lists of {args.batched_decode}, on {args.decode_device}"] = bench_batched_decode(
             jpeg_bytes(data["pattern"]), args.batched_decode, max(1, args.decode_passes), args.decode_device)
+    for backend in NVIMGCODEC_BACKENDS if args.nvimgcodec > 0 else ():
+        for crop in (False, True):
+            name = f"nvimgcodec {backend}, lists of {args.nvimgcodec}{', cropped' if crop else ''}"
+            try:
+                decode[name] = bench_nvimgcodec_decode(jpeg_bytes(data["pattern"]), args.nvimgcodec,
+                                                       max(1, args.decode_passes), backend, crop)
+            except RuntimeError as err:  # a backend this GPU or driver lacks: the others still run
+                print(f"{name}: unavailable ({err})")
+                break
     load_end = os.getloadavg()
 
     print_tables(results, ratios, decode)

@@ -126,6 +126,12 @@ class ResizeOn(Choice):
     device = "device"
 
 
+class DecodeOn(Choice):
+    auto = "auto"
+    workers = "workers"
+    device = "device"
+
+
 class LrSchedule(Choice):
     cosine = "cosine"
     constant = "constant"
@@ -274,6 +280,7 @@ class DataConfig:
     interpolation: Interpolation
     resize_mode: ResizeMode
     resize_on: ResizeOn
+    decode_on: DecodeOn
     device_resize_max_side: int | None
     color_jitter: float
     color_jitter_prob: float

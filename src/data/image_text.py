@@ -95,6 +95,14 @@ def check_pixels(width: int, height: int, max_pixels: int | None) -> None:
         raise OversizedImage(f"{width}x{height} = {width * height} pixels, above data.max_image_pixels={max_pixels}")
 
 
+def check_decodable(width: int, height: int, max_pixels: int | None) -> None:
+    """OversizedImage for a JPEG, sized from its header, that a decoder other than PIL's would decode: above
+    `max_pixels`, or above the limit at which PIL refuses an image as a decompression bomb."""
+    check_pixels(width, height, max_pixels)
+    if Image.MAX_IMAGE_PIXELS is not None and width * height > 2 * Image.MAX_IMAGE_PIXELS:
+        raise OversizedImage(f"{width}x{height} pixels, above PIL's limit of {2 * Image.MAX_IMAGE_PIXELS}")
+
+
 # The markers after which a JPEG header gives the frame's size (SOF0-15 but DHT, JPG and DAC; and DHP), as PIL's
 # JpegImagePlugin reads them: the last one before the start of scan wins.
 FRAME_MARKERS = frozenset((*range(0xC0, 0xC4), *range(0xC5, 0xC8), *range(0xC9, 0xCC), *range(0xCD, 0xD0), 0xDE))
@@ -136,9 +144,7 @@ def load_rgb(data: bytes, size: int, max_pixels: int | None) -> torch.Tensor:
     frame = jpeg_size(data)
     if frame is not None and min(frame) < 2 * size:
         # draft() cannot shrink it; torchvision decodes straight into a tensor (1.19x faster at 256-384 px).
-        check_pixels(*frame, max_pixels)
-        if Image.MAX_IMAGE_PIXELS is not None and frame[0] * frame[1] > 2 * Image.MAX_IMAGE_PIXELS:
-            raise OversizedImage(f"{frame[0]}x{frame[1]} pixels, above PIL's limit of {2 * Image.MAX_IMAGE_PIXELS}")
+        check_decodable(*frame, max_pixels)
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from src.config import DataConfig, DataMode
 from src.data.device_crop import decode_for_device
+from src.data.device_decode import DeviceDecoder, collate_for_device, jpeg_for_device
 from src.data.image_text import OversizedImage, Preprocess, decode_image, image_bytes
 from src.data.processes import shield_worker, start_workers
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
@@ -84,13 +85,16 @@ def decode_caption(sample: dict, bad: BadData) -> str | None:
 
 def decode_sample_pixels(
     sample: dict, bad: BadData, *, frames: int, size: int, rng: random.Random | None, scale_min: float,
-    max_pixels: int | None, flip: bool, preprocess: Preprocess, canvas: int = 0,
+    max_pixels: int | None, flip: bool, preprocess: Preprocess, canvas: int = 0, device_decode: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """`decode_pixels` (with `canvas`, a training image's canvas and crop box for the device to resize:
-    `decode_for_device`), or None for a sample to skip, counted by reason (`missing_image`, `oversized_image`,
-    `corrupt_image`): the one decision of what bad data is, for training and evaluation alike."""
+    `decode_for_device`; with `device_decode`, its JPEG and crop box for the device to decode: `jpeg_for_device`),
+    or None for a sample to skip, counted by reason (`missing_image`, `oversized_image`, `corrupt_image`): the one
+    decision of what bad data is, for training and evaluation alike."""
     url = sample["__url__"]
     try:
+        if device_decode:
+            return jpeg_for_device(sample, size, rng, scale_min, max_pixels, preprocess)
         if canvas:
             return decode_for_device(sample, size, rng, scale_min, max_pixels, canvas, preprocess)
         return decode_pixels(sample, frames, size, rng, scale_min, max_pixels, flip, preprocess=preprocess)
@@ -163,9 +167,10 @@ class TrainStream(IterableDataset):
     def __init__(
         self, sources: list[list[str]], weights: list[float], cfg: DataConfig, *, batch_size: int,
         image_size: int, context_length: int, seed: int, rank: int, world_size: int, positions: list[dict | None],
-        role_offset: int, bad_counts: list[dict], canvas: int = 0,
+        role_offset: int, bad_counts: list[dict], canvas: int = 0, device_decode: bool = False,
     ):
         self.sources, self.weights, self.cfg, self.canvas = sources, weights, cfg, canvas
+        self.device_decode = device_decode
         self.batch_size, self.image_size, self.context_length = batch_size, image_size, context_length
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.positions, self.role_offset, self.bad_counts = positions, role_offset, bad_counts
@@ -195,7 +200,8 @@ class TrainStream(IterableDataset):
         rng = random.Random(f"crop-{self.seed}-{epoch}-{sample['__url__']}-{sample['__key__']}")
         pixels = decode_sample_pixels(sample, bad, frames=self.cfg.frames, size=self.image_size, rng=rng,
                                       scale_min=self.cfg.crop_scale_min, max_pixels=self.cfg.max_image_pixels,
-                                      flip=self.cfg.hflip, preprocess=self.preprocess, canvas=self.canvas)
+                                      flip=self.cfg.hflip, preprocess=self.preprocess, canvas=self.canvas,
+                                      device_decode=self.device_decode)
         return None if pixels is None else (pixels, caption)
 
     def __iter__(self) -> Iterator[dict]:
@@ -218,8 +224,12 @@ class TrainStream(IterableDataset):
             if len(images) == self.batch_size:
                 # In a worker, default_collate stacks straight into shared memory; torch.stack would make a
                 # private batch that sending it to the training process then copies again.
-                batch = {"images": default_collate(images)} if not self.canvas else dict(
-                    zip(("images", "boxes"), default_collate(images)))
+                if self.device_decode:
+                    batch = collate_for_device(images, in_worker=info is not None)
+                elif self.canvas:
+                    batch = dict(zip(("images", "boxes"), default_collate(images)))
+                else:
+                    batch = {"images": default_collate(images)}
                 yield {
                     **batch, "tokens": tokenize(captions, self.context_length), "keys": keys,
                     "reader": ReaderState(role, reader.current_position().to_state(),
@@ -231,11 +241,12 @@ class TrainStream(IterableDataset):
 class TrainLoader:
     """Iterates this rank's batches ({"images": uint8 (B, 3, H, W), "tokens": (B, L), "keys": [...]}) and
     knows its own resume position. With `canvas` (src/data/device_crop.py) "images" are (B, 3, canvas, canvas)
-    canvases and "boxes" (B, 4) their crops, for `resize_crops` on the training device."""
+    canvases and "boxes" (B, 4) their crops, for `resize_crops` on the training device. With `decoder`
+    (src/data/device_decode.py) the workers ship JPEGs, and "images" come decoded and cropped on its device."""
 
     def __init__(
         self, cfg: DataConfig, *, image_size: int, context_length: int, seed: int, rank: int = 0,
-        world_size: int = 1, pin_memory: bool = False, canvas: int = 0,
+        world_size: int = 1, pin_memory: bool = False, canvas: int = 0, decoder: DeviceDecoder | None = None,
     ):
         check_batch_size(cfg.batch_size, world_size)
         if cfg.mode not in MODES:
@@ -253,8 +264,10 @@ class TrainLoader:
             shards_for_reader(shards, seed=seed, epoch=0, reader=0, num_readers=world_size * num_roles)
         self.kwargs = dict(
             batch_size=cfg.batch_size // world_size, image_size=image_size, context_length=context_length,
-            seed=seed, rank=rank, world_size=world_size, canvas=canvas,
+            seed=seed, rank=rank, world_size=world_size, canvas=canvas, device_decode=decoder is not None,
         )
+        self.decoder = decoder
+        self.undecodable = 0  # samples the decoder replaced: corrupt images found after the workers
         self.pin_memory = pin_memory
         self.positions: list[dict | None] = [None] * num_roles
         self.bad: list[dict] = [{} for _ in range(num_roles)]
@@ -286,6 +299,9 @@ class TrainLoader:
             self._iterator = self._start()
         batch = next(self._iterator)
         state = batch.pop("reader")
+        if self.decoder is not None:
+            batch, failed = self.decoder(batch)
+            self.undecodable += len(failed)  # JPEGs neither the device nor the host could decode
         batch.update(role=state.role, position=state.position, bad=state.bad)
         self.positions[state.role] = state.position
         self.bad[state.role] = state.bad
@@ -298,6 +314,8 @@ class TrainLoader:
         total: Counter[str] = Counter()
         for role in self.bad:
             total.update(role.get("counts", {}))
+        if self.undecodable:
+            total["corrupt_image"] += self.undecodable
         return dict(total)
 
     def _check_bad_fraction(self) -> None:
@@ -320,7 +338,7 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         return {"positions": list(self.positions), "batches": self.batches, "bad": list(self.bad),
-                "world_size": self.world_size, "mode": str(self.cfg.mode)}
+                "world_size": self.world_size, "mode": str(self.cfg.mode), "undecodable": self.undecodable}
 
     def load_state_dict(self, state: dict) -> None:
         if self._iterator is not None:
@@ -343,6 +361,7 @@ class TrainLoader:
         self.positions = list(state["positions"])
         self.batches = state["batches"]
         self.bad = list(state["bad"])
+        self.undecodable = state.get("undecodable", 0)  # absent from checkpoints of loaders without a decoder
 
 
 # One unit of held-out data: (its place in the set, a shard URL or an image file, the file's class index or -1).

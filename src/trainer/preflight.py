@@ -15,10 +15,14 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from src.config import DataConfig, LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
 from src.data.device_crop import device_path_blocker
+from src.data.device_decode import nvimgcodec_missing
 from src.data.loader import check_batch_size, image_folder, resolve_sources
 from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
@@ -214,6 +218,19 @@ def check_resize_on(data: DataConfig) -> None:
                          "where it can) or workers")
 
 
+def check_decode_on(data: DataConfig, device: torch.device) -> None:
+    if data.decode_on != "device":
+        return
+    blocker = device_path_blocker(data)
+    if blocker:
+        raise ValueError(f"data.decode_on=device cannot apply here: {blocker}. Set data.decode_on=auto (the device "
+                         "where it can) or workers")
+    missing = nvimgcodec_missing() if device.type == "cuda" else None
+    if missing:
+        raise ValueError(f"data.decode_on=device decodes with nvImageCodec, but {missing}. Install it, or set "
+                         "data.decode_on=auto or workers")
+
+
 def readable(path: str) -> str | None:
     """Why `path` cannot be read, or None. Opening it and reading one byte is what a reader does first."""
     try:
@@ -341,6 +358,7 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: check_data_parallel(cfg.trainer.data_parallel, video),
         lambda: check_heads(model, video),
         lambda: check_resize_on(cfg.data),
+        lambda: check_decode_on(cfg.data, dist_info.device),
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
         # `auto` records only where a recording works (src/trainer/fast_path.py): only `true` can be refused.
         lambda: cfg.trainer.cuda_graph is not True or check_cuda_graph(dist_info.device, dist_info.world_size,

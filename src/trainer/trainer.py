@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.config import TrainConfig
 from src.data.device_crop import resize_crops, resolve_resize_on
+from src.data.device_decode import DeviceDecoder, resolve_decode_on
 from src.data.image_text import ImageNormalizer, Preprocess
 from src.data.loader import TrainLoader
 from src.kernels.dispatch import apply_kernels
@@ -144,13 +145,18 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
     device = dist_info.device
     model = build_model(cfg, lambda: clip.build_model(cfg.model, device))
     if loader is None:
-        canvas, where = resolve_resize_on(cfg.data, cfg.model.vision.image_size, device)
+        image_size = cfg.model.vision.image_size
+        on_device, where = resolve_decode_on(cfg.data, device)
+        canvas = 0
+        if not on_device:  # the workers decode; they or the device resize the crops
+            canvas, where = resolve_resize_on(cfg.data, image_size, device)
         if dist_info.is_main:
             log.info(where)
         loader = TrainLoader(
-            cfg.data, image_size=cfg.model.vision.image_size, context_length=cfg.model.text.context_length,
+            cfg.data, image_size=image_size, context_length=cfg.model.text.context_length,
             seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
             pin_memory=device.type == "cuda", canvas=canvas,
+            decoder=DeviceDecoder(device, image_size) if on_device else None,
         )
     normalize = image_normalizer(cfg, device)
     contrastive = contrastive_loss(cfg.loss)

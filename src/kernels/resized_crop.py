@@ -1,0 +1,128 @@
+"""Random resized crops of a batch of decoded images of any sizes, in two Triton kernels.
+
+Images decoded on the GPU (`data.decode_on=device`, src/data/device_decode.py) arrive as one flat uint8 buffer of
+(H, W, 3) images, each of its own size, and a crop box (top, left, height, width) each. torchvision resizes one
+image per call: a thousand calls a batch cost the host about 0.1 ms each. Here every crop of the batch is resized
+in two launches, with the filter of torchvision's antialiased bilinear resize (`TF.resized_crop(...,
+antialias=True)`, the workers' path): a triangle as wide as the scale factor, its taps clamped to the crop, the
+weights of each output pixel normalised. The filter is separable: the first kernel resizes the crop's columns to
+`size` rows (float16 between the passes: at most 1/16 of a grey level off), the second its rows to `size`
+columns, rounding once at the end. torchvision's CPU path rounds to uint8 between its two passes and uses
+fixed-point weights, so the two differ by at most one grey level (tests/test_resized_crop.py).
+
+Work a pixel: up to 2·⌈scale⌉ + 1 taps per pass, so a 1,024-px crop to 224 px is a dozen loads a pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: `resize_crops_reference` is the path
+    triton = None
+
+COLUMNS = 256  # the first kernel's block of (column, channel) values of one output row
+PIXELS = 64  # the second kernel's block of output pixels of one row
+
+
+def resize_crops_reference(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]],
+                           size: int) -> torch.Tensor:
+    """(B, 3, size, size) uint8: each (H, W, 3) uint8 image's box (top, left, height, width) resized by torchvision,
+    as the loader's workers resize crops."""
+    return torch.stack([TF.resized_crop(image.permute(2, 0, 1), *box, [size, size], antialias=True)
+                        for image, box in zip(images, boxes)])
+
+
+if triton is not None:
+    @triton.jit
+    def _taps(center, scale, length):
+        """First tap, tap count bound and inverse filter width of an output position, as torchvision computes
+        them (upsample_bilinear2d_aa): support = scale when shrinking, 1 when enlarging."""
+        support = tl.maximum(scale, 1.0)
+        first = tl.maximum((center - support + 0.5).to(tl.int32), 0)
+        last = tl.minimum((center + support + 0.5).to(tl.int32), length)
+        return first, last, 1.0 / support
+
+    @triton.jit
+    def _columns_kernel(src, offsets, widths, boxes, mid, mid_offsets, size, COLUMNS: tl.constexpr):
+        """mid[b] (size, crop width, 3) float16: image b's crop, its columns resized to `size` rows."""
+        b, row, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        top, left = tl.load(boxes + 4 * b), tl.load(boxes + 4 * b + 1)
+        height, width = tl.load(boxes + 4 * b + 2), tl.load(boxes + 4 * b + 3)
+        values = block * COLUMNS + tl.arange(0, COLUMNS)  # (column, channel) pairs of the crop's row
+        inside = values < width * 3
+        if block * COLUMNS < width * 3:
+            scale = height.to(tl.float32) / size
+            center = scale * (row + 0.5)
+            first, last, inverse = _taps(center, scale, height)
+            image = src + tl.load(offsets + b) + (top * tl.load(widths + b) + left) * 3
+            acc = tl.zeros([COLUMNS], dtype=tl.float32)
+            total = scale * 0.0
+            for y in range(first, last):
+                weight = tl.maximum(1.0 - tl.abs((y - center + 0.5) * inverse), 0.0)
+                acc += weight * tl.load(image + y * tl.load(widths + b) * 3 + values, mask=inside).to(tl.float32)
+                total += weight
+            out = mid + tl.load(mid_offsets + b) + row * width * 3 + values
+            tl.store(out, (acc / total).to(tl.float16), mask=inside)
+
+    @triton.jit
+    def _rows_kernel(mid, mid_offsets, boxes, out, size, max_taps, PIXELS: tl.constexpr):
+        """out[b] (3, size, size) uint8: mid[b]'s rows resized to `size` columns, rounded."""
+        b, row, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        width = tl.load(boxes + 4 * b + 3)
+        columns = block * PIXELS + tl.arange(0, PIXELS)
+        inside = columns < size
+        scale = width.to(tl.float32) / size
+        center = scale * (columns + 0.5)
+        first, last, inverse = _taps(center, scale, width)
+        line = mid + tl.load(mid_offsets + b) + row * width * 3
+        r = tl.zeros([PIXELS], dtype=tl.float32)
+        g = tl.zeros([PIXELS], dtype=tl.float32)
+        bl = tl.zeros([PIXELS], dtype=tl.float32)
+        total = tl.zeros([PIXELS], dtype=tl.float32)
+        for k in range(0, max_taps):
+            x = first + k
+            use = inside & (x < last)
+            weight = tl.where(use, tl.maximum(1.0 - tl.abs((x - center + 0.5) * inverse), 0.0), 0.0)
+            r += weight * tl.load(line + x * 3, mask=use, other=0.0).to(tl.float32)
+            g += weight * tl.load(line + x * 3 + 1, mask=use, other=0.0).to(tl.float32)
+            bl += weight * tl.load(line + x * 3 + 2, mask=use, other=0.0).to(tl.float32)
+            total += weight
+        total = tl.where(inside, total, 1.0)
+        plane = out + b * 3 * size * size + row * size + columns
+        tl.store(plane, tl.minimum(tl.maximum(r / total + 0.5, 0.0), 255.0).to(tl.uint8), mask=inside)
+        tl.store(plane + size * size, tl.minimum(tl.maximum(g / total + 0.5, 0.0), 255.0).to(tl.uint8), mask=inside)
+        tl.store(plane + 2 * size * size, tl.minimum(tl.maximum(bl / total + 0.5, 0.0), 255.0).to(tl.uint8),
+                 mask=inside)
+
+
+def resize_crops(flat: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor, boxes: torch.Tensor,
+                 size: int) -> torch.Tensor:
+    """(B, 3, size, size) uint8 crops of the images in `flat`, a uint8 buffer on the device in which image b is
+    (H_b, W_b, 3) starting at offsets[b], with widths[b] = W_b; boxes (B, 4) (top, left, height, width) inside each
+    image. offsets, widths and boxes are host tensors (the loader's). A Triton kernel's job: on the CPU,
+    `resize_crops_reference` does it."""
+    count, device = len(boxes), flat.device
+    out = torch.empty(count, 3, size, size, dtype=torch.uint8, device=device)
+    if count == 0:
+        return out
+    boxes = boxes.to(torch.int64)
+    crop_widths = boxes[:, 3]
+    mid_offsets = torch.zeros(count, dtype=torch.int64)
+    mid_offsets[1:] = torch.cumsum(crop_widths * 3 * size, 0)[:-1]
+    mid = torch.empty(int(crop_widths.sum()) * 3 * size, dtype=torch.float16, device=device)
+    # One copy to the device for the four small tables.
+    tables = torch.cat([offsets.to(torch.int64), widths.to(torch.int64), mid_offsets, boxes.flatten()])
+    tables = tables.to(device, non_blocking=True)
+    offsets_d, widths_d, mid_offsets_d = tables[:count], tables[count : 2 * count], tables[2 * count : 3 * count]
+    boxes_d = tables[3 * count :]
+    widest = int(crop_widths.max())
+    max_taps = int(2 * max(widest / size, 1.0)) + 3  # covers last - first at any position (see _taps)
+    _columns_kernel[(count, size, triton.cdiv(widest * 3, COLUMNS))](
+        flat, offsets_d, widths_d, boxes_d, mid, mid_offsets_d, size, COLUMNS=COLUMNS)
+    _rows_kernel[(count, size, triton.cdiv(size, PIXELS))](
+        mid, mid_offsets_d, boxes_d, out, size, max_taps, PIXELS=PIXELS)
+    return out

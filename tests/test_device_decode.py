@@ -1,0 +1,156 @@
+"""data.decode_on=device: the workers ship JPEG bytes and crop boxes, the training device decodes and crops them.
+On a CPU the reference path (torchvision) gives the workers' batches bit for bit where both decode at full size;
+for larger JPEGs the crops cover the same regions; other images, undecodable JPEGs, what `auto` picks and
+preflight's refusals."""
+
+import io
+import random
+import tarfile
+from dataclasses import replace
+
+import pytest
+import torch
+from PIL import Image
+from skimage import data as photos
+
+from src.data import device_decode
+from src.data.device_decode import DeviceDecoder, draft_scale, resolve_decode_on, workers_crop_box
+from src.data.image_text import random_resized_crop_box
+from src.data.loader import TrainLoader
+from src.parallel.distributed import DistInfo
+from src.trainer.preflight import preflight
+from tests.conftest import compose_config, small_trainer
+from tests.test_data import data_config
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+SIZE = 32
+
+
+def jpeg(width: int, height: int, fmt: str = "JPEG") -> bytes:
+    image = Image.fromarray(photos.astronaut()).resize((width, height), Image.BILINEAR)
+    out = io.BytesIO()
+    image.save(out, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def undecodable_jpeg(width: int, height: int) -> bytes:
+    """A JPEG whose header gives its size, but with no Huffman or quantisation tables: no decoder can decode it."""
+    frame = b"\xff\xc0\x00\x11\x08" + height.to_bytes(2, "big") + width.to_bytes(2, "big") + (
+        b"\x03\x01\x22\x00\x02\x11\x01\x03\x11\x01")
+    scan = b"\xff\xda\x00\x0c\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00"
+    return b"\xff\xd8" + frame + scan + bytes(range(256)) * 4 + b"\xff\xd9"
+
+
+def write_shards(directory, images: list[tuple[str, bytes]], shards: int = 2) -> str:
+    """`images` ((extension, bytes) each) with a caption each, round-robin over `shards` tar files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for shard in range(shards):
+        with tarfile.open(directory / f"s-{shard}.tar", "w") as tar:
+            for i in range(shard, len(images), shards):
+                ext, data = images[i]
+                for name, payload in ((f"{i:05d}.{ext}", data), (f"{i:05d}.txt", f"picture {i}".encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    return str(directory / f"s-{{0..{shards - 1}}}.tar")
+
+
+def batches(pattern: str, decoder: DeviceDecoder | None, workers: int, count: int = 2, batch: int = 8) -> list:
+    cfg = data_config(pattern, batch, workers, shuffle_buffer=10)
+    loader = TrainLoader(cfg, image_size=SIZE, context_length=8, seed=3, decoder=decoder)
+    out = [next(loader) for _ in range(count)]
+    return out, loader
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_batches_equal_the_workers_bit_for_bit_where_both_decode_at_full_size(tmp_path, workers):
+    rng = random.Random(0)
+    pattern = write_shards(tmp_path / "small", [("jpg", jpeg(rng.randint(33, 63), rng.randint(33, 63)))
+                                                for _ in range(32)])
+    want, _ = batches(pattern, None, workers)
+    got, _ = batches(pattern, DeviceDecoder(CPU, SIZE), workers)
+    for a, b in zip(want, got):
+        assert a["keys"] == b["keys"] and torch.equal(a["tokens"], b["tokens"])
+        assert b["images"].dtype == torch.uint8 and b["images"].shape == (8, 3, SIZE, SIZE)
+        assert torch.equal(a["images"], b["images"])
+        assert a["position"] == b["position"]
+
+
+def test_large_jpegs_keep_the_workers_crop_regions(tmp_path, monkeypatch):
+    """At least twice the crop size the workers decode at reduced scale (PIL's draft) and draw the box there; the
+    device draws it in the same reduced pixels and scales it back, so the crops show the same regions. The pixels
+    differ by the decodes (at 32 px from a 1/8-scale decode against a full one resized 8 times down); a box drawn
+    in the full image's pixels instead would show other regions."""
+    rng = random.Random(1)
+    sizes = [(rng.randint(64, 300), rng.randint(64, 300)) for _ in range(16)]
+    pattern = write_shards(tmp_path / "large", [("jpg", jpeg(w, h)) for w, h in sizes])
+    want, _ = batches(pattern, None, 0, count=2)
+    got, _ = batches(pattern, DeviceDecoder(CPU, SIZE), 0, count=2)
+    monkeypatch.setattr(device_decode, "workers_crop_box", lambda width, height, size, rng, scale_min:
+                        random_resized_crop_box(width, height, rng, (scale_min, 1.0)))
+    naive, _ = batches(pattern, DeviceDecoder(CPU, SIZE), 0, count=2)
+    for a, b, c in zip(want, got, naive):
+        assert a["keys"] == b["keys"] == c["keys"]
+        # Compared at 8 x 8 px, where the decodes' detail has averaged out and the regions' placement remains.
+        coarse = [torch.nn.functional.avg_pool2d(x["images"].float(), 4) for x in (a, b, c)]
+        aligned, other = (coarse[0] - coarse[1]).abs().mean(), (coarse[0] - coarse[2]).abs().mean()
+        assert aligned < 3.0 and other > 2 * aligned, (aligned, other)
+
+
+@pytest.mark.parametrize(("width", "height"), [(63, 200), (64, 64), (130, 97), (257, 511), (300, 70), (1000, 600)])
+def test_the_draft_scale_is_pils(width, height):
+    image = Image.open(io.BytesIO(jpeg(width, height)))
+    scale = draft_scale(width, height, SIZE)
+    if min(width, height) >= 2 * SIZE:
+        image.draft("RGB", (SIZE, SIZE))
+    assert image.size == (-(-width // scale), -(-height // scale))
+    top, left, h, w = workers_crop_box(width, height, SIZE, random.Random(5), 0.9)
+    assert 0 <= top and 0 <= left and 0 < h and 0 < w and top + h <= height and left + w <= width
+
+
+def test_other_images_decode_in_the_workers_and_undecodable_jpegs_take_the_first_sample(tmp_path):
+    images = [("jpg", jpeg(40, 50)), ("png", jpeg(45, 41, "PNG")), ("jpg", undecodable_jpeg(48, 48))]
+    images += [("jpg", jpeg(50, 40)) for _ in range(5)]
+    pattern = write_shards(tmp_path / "mixed", images, shards=1)
+    (batch,), loader = batches(pattern, DeviceDecoder(CPU, SIZE), 0, count=1)
+    (reference,), workers_loader = batches(pattern, None, 0, count=1)
+    keys = batch["keys"]
+    bad = keys.index("00002")
+    assert torch.equal(batch["images"][bad], batch["images"][0]) and torch.equal(batch["tokens"][bad],
+                                                                                 batch["tokens"][0])
+    assert loader.bad_counts() == {"corrupt_image": 1} == workers_loader.bad_counts()
+    assert loader.state_dict()["undecodable"] == 1
+    png = keys.index("00001")  # decoded and cropped in the worker, exactly as the workers' path does
+    assert torch.equal(batch["images"][png], reference["images"][reference["keys"].index("00001")])
+
+
+def test_auto_decodes_on_a_gpu_with_nvimgcodec_and_says_why_not(monkeypatch):
+    data = compose_config([]).data
+    monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: None)
+    assert resolve_decode_on(data, CUDA) == (True, "data: training JPEGs decoded and cropped on the cuda "
+                                                    "(nvImageCodec) (auto: on a GPU), other images in the workers")
+    assert resolve_decode_on(data, CPU) == (False, "data: training images decoded in the workers (auto: no JPEG "
+                                                   "engines on cpu)")
+    assert resolve_decode_on(replace(data, decode_on="device"), CPU)[0]
+    assert not resolve_decode_on(replace(data, decode_on="workers"), CUDA)[0]
+    on, line = resolve_decode_on(replace(data, grayscale_prob=0.1), CUDA)
+    assert not on and "grayscale run in the workers" in line
+    monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: "nvImageCodec is not installed (pip ...)")
+    assert resolve_decode_on(data, CUDA) == (False, "data: training images decoded in the workers (auto: "
+                                                    "nvImageCodec is not installed (pip ...))")
+
+
+def test_preflight_refuses_device_decoding_it_cannot_do(tmp_path):
+    cfg = compose_config(["experiment=quickstart", "data.decode_on=device", "data.interpolation=bicubic"])
+    with pytest.raises(ValueError, match="the configuration cannot run") as err:
+        preflight(cfg, DistInfo(0, 1, 0, CPU), str(tmp_path))
+    assert "data.decode_on=device cannot apply here: data.interpolation=bicubic" in str(err.value)
+
+
+def test_a_cpu_run_with_device_decoding_trains(shapes, tmp_path):
+    trainer = small_trainer(shapes, tmp_path / "run", "data.decode_on=device")
+    assert trainer.loader.decoder is not None
+    batch = next(trainer.loader)
+    assert batch["images"].shape[-1] == 32 and "jpeg_bytes" not in batch
+    losses = [trainer.train_step(next(trainer.loader))["loss"].item() for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
