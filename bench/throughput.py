@@ -272,6 +272,10 @@ def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceili
     }
     if ceiling:
         result["share_of_matmul_ceiling"] = result["tflops"] / ceiling
+    decoder = getattr(trainer.loader, "decoder", None)
+    if decoder is not None and decoder.batches:  # data.decode_on=device: a decode thread's wall time per batch
+        result["decode_ms"] = decoder.host_seconds / decoder.batches * 1e3
+        decoder.close()
     trainer.metrics.close()
     del trainer
     gc.collect()  # ends the loader's worker processes before the next configuration

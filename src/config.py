@@ -281,6 +281,7 @@ class DataConfig:
     resize_mode: ResizeMode
     resize_on: ResizeOn
     decode_on: DecodeOn
+    decode_threads: int
     device_resize_max_side: int | None
     color_jitter: float
     color_jitter_prob: float

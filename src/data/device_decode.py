@@ -29,8 +29,11 @@ torchvision's resize: bit for bit the workers' batches for JPEGs under twice the
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib.util
+import threading
+import time
 
 import numpy as np
 import torch
@@ -126,84 +129,128 @@ def collate_for_device(items: list, in_worker: bool) -> dict[str, torch.Tensor]:
 
 
 class DeviceDecoder:
-    """The training process's half: a `collate_for_device` batch to "images" (B, 3, size, size) uint8 on `device`.
-    Returns the batch and the indices of the samples that could not be decoded (replaced by the first sample)."""
+    """The training process's half: `collate_for_device` batches to "images" (B, 3, size, size) uint8 on `device`,
+    in `threads` threads of their own, so that the next batches decode while the training step runs (nvImageCodec
+    and the CUDA calls release the GIL). Each thread has its decoder, its CUDA stream and the decoded images of its
+    last batch, whose buffers the next batch reuses rather than allocating a thousand new ones. `submit` starts a
+    batch, `result` (on the training thread) makes the training stream wait for it, and returns it with the
+    indices of the samples that could not be decoded (replaced by the first sample). `host_seconds`: the decode
+    threads' wall time, summed over the batches."""
 
-    def __init__(self, device: torch.device, size: int):
+    def __init__(self, device: torch.device, size: int, threads: int = 2):
         # Here rather than at the top: the data package loads no kernel module (and so no Triton) until asked to.
         from src.kernels import resized_crop
 
         self.device, self.size, self.kernels = device, size, resized_crop
-        self.decoder = None
-        if device.type == "cuda":
+        self.threads = threads
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self.local = threading.local()
+        self.host_seconds, self.batches = 0.0, 0
+        self.on_gpu = device.type == "cuda"
+
+    def _state(self):
+        """This thread's decoder, stream and last batch's images, made on first use."""
+        if not hasattr(self.local, "decoder"):
             from nvidia import nvimgcodec
 
             # The JPEG engines first; nvJPEG on the SMs and host for what they cannot decode (progressive JPEGs).
             backends = [nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
                         nvimgcodec.Backend(nvimgcodec.BackendKind.HYBRID_CPU_GPU)]
-            self.decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=backends)
-            self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB)
-            self.stream = torch.cuda.Stream(device)
+            self.local.decoder = nvimgcodec.Decoder(device_id=self.device.index or 0, backends=backends)
+            self.local.params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
+                                                        color_spec=nvimgcodec.ColorSpec.SRGB)
+            self.local.stream = torch.cuda.Stream(self.device)
+            self.local.images = []
+            self.local.codestream = nvimgcodec.CodeStream
+        return self.local
 
-    def _decode_on_host(self, data: np.ndarray, meta: torch.Tensor) -> torch.Tensor | None:
+    def _decode_on_host(self, data: np.ndarray, height: int, width: int) -> torch.Tensor | None:
         """(H, W, 3) uint8 on the device from torchvision's CPU decoder, or None when it cannot decode it either."""
         try:
             image = decode_jpeg(torch.from_numpy(data), mode=ImageReadMode.RGB)
         except RuntimeError:
             return None
-        if tuple(image.shape[1:]) != (int(meta[4]), int(meta[5])):
+        if tuple(image.shape[1:]) != (height, width):
             return None
         return image.permute(1, 2, 0).contiguous().to(self.device)
 
-    def _decode(self, chunks: list[np.ndarray], metas: torch.Tensor) -> list[torch.Tensor | None]:
-        if self.decoder is None:
-            return [self._decode_on_host(data, meta) for data, meta in zip(chunks, metas)]
-        from nvidia import nvimgcodec
-
-        streams = [nvimgcodec.CodeStream(data) for data in chunks]
-        images = self.decoder.decode(streams, params=self.params, cuda_stream=self.stream.cuda_stream)
+    def _decode(self, chunks: list[np.ndarray], shapes: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        if not self.on_gpu:
+            return [self._decode_on_host(data, *shape) for data, shape in zip(chunks, shapes)]
+        state = self._state()
+        streams = [state.codestream(data) for data in chunks]
+        reuse = state.images[: len(streams)]
+        reuse = reuse + [None] * (len(streams) - len(reuse)) if len(reuse) < len(streams) else reuse
+        if any(image is None for image in reuse):
+            decoded = state.decoder.decode(streams, params=state.params, cuda_stream=state.stream.cuda_stream)
+        else:
+            decoded = state.decoder.decode(streams, images=reuse, params=state.params,
+                                           cuda_stream=state.stream.cuda_stream)
+        state.images = [image for image in decoded if image is not None] + state.images[len(streams):]
         out = []
-        for image, data, meta in zip(images, chunks, metas):
+        for image, data, (height, width) in zip(decoded, chunks, shapes):
             tensor = None if image is None else torch.as_tensor(image, device=self.device)
-            if tensor is None or tuple(tensor.shape) != (int(meta[4]), int(meta[5]), 3):
-                tensor = self._decode_on_host(data, meta)
+            if tensor is None or tuple(tensor.shape) != (height, width, 3):
+                tensor = self._decode_on_host(data, height, width)
             out.append(tensor)
         return out
 
-    def __call__(self, batch: dict) -> tuple[dict, list[int]]:
-        lengths, meta = batch.pop("jpeg_lengths"), batch.pop("jpeg_meta")
+    def _run(self, batch: dict) -> tuple[dict, list[int], torch.cuda.Event | None]:
+        start = time.perf_counter()
+        lengths, meta = batch.pop("jpeg_lengths").tolist(), batch.pop("jpeg_meta")
         flat, decoded, decoded_index = batch.pop("jpeg_bytes"), batch.pop("decoded"), batch.pop("decoded_index")
-        ends = torch.cumsum(lengths, 0).tolist()
-        bytes_np = flat.numpy()
-        jpeg_index = [i for i in range(len(lengths)) if lengths[i] > 0]
-        chunks = [bytes_np[ends[i] - int(lengths[i]) : ends[i]] for i in jpeg_index]
-        # Allocated and written on the side stream, so that nothing queued on the training stream can still be
-        # using this memory; the training stream then waits for it and owns it from there on (record_stream).
-        with torch.cuda.stream(self.stream) if self.decoder is not None else contextlib.nullcontext():
+        bytes_np, rows = flat.numpy(), meta.tolist()
+        jpeg_index, chunks, end = [], [], 0
+        for i, length in enumerate(lengths):
+            if length:
+                jpeg_index.append(i)
+                chunks.append(bytes_np[end : end + length])
+                end += length
+        # Allocated and written on this thread's stream, so that nothing queued on the training stream can still
+        # be using this memory; the training stream waits for it in `result` and owns it from there on.
+        stream = self._state().stream if self.on_gpu else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             images = torch.empty(len(lengths), 3, self.size, self.size, dtype=torch.uint8, device=self.device)
-            pictures = self._decode(chunks, meta[jpeg_index]) if jpeg_index else []
+            pictures = self._decode(chunks, [(rows[i][4], rows[i][5]) for i in jpeg_index]) if jpeg_index else []
             failed = [i for i, picture in zip(jpeg_index, pictures) if picture is None]
             good = [(i, picture) for i, picture in zip(jpeg_index, pictures) if picture is not None]
             if good:
-                index = torch.tensor([i for i, _ in good])
-                boxes = meta[index, :4]
-                if self.decoder is None:
-                    crops = self.kernels.resize_crops_reference([p for _, p in good], boxes.tolist(), self.size)
+                index = [i for i, _ in good]
+                boxes = [rows[i][:4] for i in index]
+                if not self.on_gpu:
+                    crops = self.kernels.resize_crops_reference([p for _, p in good], boxes, self.size)
                 else:
-                    widths = meta[index, 5].to(torch.int64)
                     sizes = torch.tensor([p.numel() for _, p in good], dtype=torch.int64)
-                    offsets = torch.cumsum(sizes, 0) - sizes
                     pixels = torch.cat([p.view(-1) for _, p in good])
-                    crops = self.kernels.resize_crops(pixels, offsets, widths, boxes, self.size)
-                images[index.to(self.device)] = crops
+                    crops = self.kernels.resize_crops(pixels, torch.cumsum(sizes, 0) - sizes,
+                                                      torch.tensor([rows[i][5] for i in index]),
+                                                      torch.tensor(boxes, dtype=torch.int32), self.size)
+                if len(index) == len(lengths):
+                    images = crops
+                else:
+                    images[torch.tensor(index, device=self.device)] = crops
             if len(decoded_index):
                 images[decoded_index.to(self.device)] = decoded.to(self.device, non_blocking=True)
-        if self.decoder is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            images.record_stream(torch.cuda.current_stream(self.device))
-        if failed:
-            first = next(i for i in range(len(lengths)) if i not in failed)
-            images[failed] = images[first].clone()
-            batch["tokens"][failed] = batch["tokens"][first].clone()
+            if failed:
+                first = next(i for i in range(len(lengths)) if i not in failed)
+                images[failed] = images[first].clone()
+                batch["tokens"][failed] = batch["tokens"][first].clone()
+            event = stream.record_event() if stream is not None else None
         batch["images"] = images
+        self.host_seconds += time.perf_counter() - start
+        return batch, failed, event
+
+    def submit(self, batch: dict) -> concurrent.futures.Future:
+        return self.pool.submit(self._run, batch)
+
+    def result(self, future: concurrent.futures.Future) -> tuple[dict, list[int]]:
+        batch, failed, event = future.result()
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            batch["images"].record_stream(current)
+        self.batches += 1
         return batch, failed
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

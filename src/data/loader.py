@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -268,6 +268,7 @@ class TrainLoader:
         )
         self.decoder = decoder
         self.undecodable = 0  # samples the decoder replaced: corrupt images found after the workers
+        self._decoding: deque = deque()  # (reader state, decode future) in batch order
         self.pin_memory = pin_memory
         self.positions: list[dict | None] = [None] * num_roles
         self.bad: list[dict] = [{} for _ in range(num_roles)]
@@ -297,10 +298,15 @@ class TrainLoader:
     def __next__(self) -> dict:
         if self._iterator is None:
             self._iterator = self._start()
-        batch = next(self._iterator)
-        state = batch.pop("reader")
-        if self.decoder is not None:
-            batch, failed = self.decoder(batch)
+        if self.decoder is None:
+            batch = next(self._iterator)
+            state = batch.pop("reader")
+        else:  # the decoder's threads work on the next batches meanwhile; the position is the returned batch's
+            while len(self._decoding) < self.decoder.threads:
+                raw = next(self._iterator)
+                self._decoding.append((raw.pop("reader"), self.decoder.submit(raw)))
+            state, future = self._decoding.popleft()
+            batch, failed = self.decoder.result(future)
             self.undecodable += len(failed)  # JPEGs neither the device nor the host could decode
         batch.update(role=state.role, position=state.position, bad=state.bad)
         self.positions[state.role] = state.position

@@ -156,7 +156,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
             cfg.data, image_size=image_size, context_length=cfg.model.text.context_length,
             seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
             pin_memory=device.type == "cuda", canvas=canvas,
-            decoder=DeviceDecoder(device, image_size) if on_device else None,
+            decoder=DeviceDecoder(device, image_size, cfg.data.decode_threads) if on_device else None,
         )
     normalize = image_normalizer(cfg, device)
     contrastive = contrastive_loss(cfg.loss)
