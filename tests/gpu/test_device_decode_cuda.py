@@ -48,13 +48,15 @@ def test_the_gpu_decodes_a_loader_batch_as_the_cpu_reference_does():
     items = [jpeg_for_device(s, 224, random.Random(i), 0.9, None, preprocess) for i, s in enumerate(samples)]
     tokens = torch.arange(32 * 4).view(32, 4)
 
-    def decode(device):
+    def decode(decoder):
         batch = {**collate_for_device(items, in_worker=False), "tokens": tokens.clone()}
-        out, failed = DeviceDecoder(torch.device(device), 224)(batch)
+        out, failed = decoder.result(decoder.submit(batch))
         return out["images"].cpu(), failed
 
-    (gpu, failed), (cpu, _) = decode("cuda"), decode("cpu")
-    assert failed == [] and gpu.shape == cpu.shape == (32, 3, 224, 224)
+    on_gpu = DeviceDecoder(torch.device("cuda"), 224, threads=1)
+    (gpu, failed), (again, _) = decode(on_gpu), decode(on_gpu)  # the second into the first one's buffers
+    cpu, _ = decode(DeviceDecoder(torch.device("cpu"), 224))
+    assert failed == [] and gpu.shape == cpu.shape == (32, 3, 224, 224) and torch.equal(gpu, again)
     # Two JPEG decoders (the chip's engines and libjpeg-turbo) differ by a grey level or two here and there.
     diff = (gpu.int() - cpu.int()).abs()
     assert diff.float().mean() < 1.0 and diff.max() <= 24, (diff.float().mean(), diff.max())
