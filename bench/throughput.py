@@ -18,10 +18,11 @@ has filled CUDA's launch queue and waits on it, which a profile's timeline tells
 does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with preflight's
 estimate beside it, `estimate_gib`: src/trainer/memory.py), and the caching allocator's flush-and-retry count
 (`alloc_retries`, each a wait for the GPU); end to end with `data.decode_on=device`, a decode thread's wall time
-per batch (`decode_ms`: near `data.decode_threads` x `step_ms`, the decoding sets the pace). With a recorded step (`trainer.cuda_graph`, on by `auto` on one GPU)
-only replays of the recorded step are timed (`--warmup` must reach past the capture), and `host_ms` is then the
-batch copy, the replay's launch and the optimizer's. `--peer` runs OpenCLIP's step
-(`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our rate over its rate;
+per batch (`decode_ms`: near `data.decode_threads` x `step_ms`, the decoding sets the pace). With a recorded
+step (`trainer.cuda_graph`, on by `auto` on one GPU) only replays of the recorded step are timed (`--warmup` must
+reach past the capture), and `host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer`
+runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our
+rate over its rate;
 `--peer bench/peers/openclip_siglip_step.py` is OpenCLIP's step with its `SigLipLoss`, the peer of `loss=siglip`.
 `--profile ROWS [--trace DIR]` prints the costliest kernels of three steps and writes their timeline
 (`bench/kernel_table.py` sums it per kernel; `--gaps` finds where the GPU waited; `--profile-gpu-only` records no
