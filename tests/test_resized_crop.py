@@ -8,8 +8,9 @@ import torch
 from interpreter_harness import INTERPRETED, interpreted, run_under_interpreter
 from torchvision.transforms.v2 import functional as TF
 
+from src.data.device_decode import resize_crops_reference
 from src.data.image_text import random_resized_crop_box
-from src.kernels.resized_crop import resize_crops, resize_crops_reference
+from src.kernels.resized_crop import resize_crops
 
 pytest.importorskip("triton")
 

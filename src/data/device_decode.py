@@ -34,10 +34,12 @@ import contextlib
 import importlib.util
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2 import functional as TF
 
 from src.config import DataConfig
 from src.data.device_crop import AUTO, device_path_blocker
@@ -128,6 +130,19 @@ def collate_for_device(items: list, in_worker: bool) -> dict[str, torch.Tensor]:
             "decoded_index": torch.tensor(index, dtype=torch.int64)}
 
 
+# (flat uint8 images, their offsets, their widths, (B, 4) boxes, size) -> (B, 3, size, size), as in
+# src/kernels/resized_crop.py
+ResizeCrops = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def resize_crops_reference(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]],
+                           size: int) -> torch.Tensor:
+    """(B, 3, size, size) uint8: each (H, W, 3) uint8 image's box (top, left, height, width) resized by torchvision,
+    as the loader's workers resize crops."""
+    return torch.stack([TF.resized_crop(image.permute(2, 0, 1), *box, [size, size], antialias=True)
+                        for image, box in zip(images, boxes)])
+
+
 class DeviceDecoder:
     """The training process's half: `collate_for_device` batches to "images" (B, 3, size, size) uint8 on `device`,
     in `threads` threads of their own, so that the next batches decode while the training step runs (nvImageCodec
@@ -137,11 +152,10 @@ class DeviceDecoder:
     indices of the samples that could not be decoded (replaced by the first sample). `host_seconds`: the decode
     threads' wall time, summed over the batches."""
 
-    def __init__(self, device: torch.device, size: int, threads: int = 2):
-        # Here rather than at the top: the data package loads no kernel module (and so no Triton) until asked to.
-        from src.kernels import resized_crop
-
-        self.device, self.size, self.kernels = device, size, resized_crop
+    def __init__(self, device: torch.device, size: int, threads: int = 2, resize_crops: ResizeCrops | None = None):
+        # `resize_crops`: the batched kernels (src/kernels/resized_crop.py), which the caller passes in, as the data
+        # package imports no kernel module; without it, on a CPU, torchvision resizes one crop at a time.
+        self.device, self.size, self.resize_crops = device, size, resize_crops
         self.threads = threads
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="decode")
         self.local = threading.local()
@@ -217,14 +231,14 @@ class DeviceDecoder:
             if good:
                 index = [i for i, _ in good]
                 boxes = [rows[i][:4] for i in index]
-                if not self.on_gpu:
-                    crops = self.kernels.resize_crops_reference([p for _, p in good], boxes, self.size)
+                if self.resize_crops is None:
+                    crops = resize_crops_reference([p for _, p in good], boxes, self.size)
                 else:
                     sizes = torch.tensor([p.numel() for _, p in good], dtype=torch.int64)
                     pixels = torch.cat([p.view(-1) for _, p in good])
-                    crops = self.kernels.resize_crops(pixels, torch.cumsum(sizes, 0) - sizes,
-                                                      torch.tensor([rows[i][5] for i in index]),
-                                                      torch.tensor(boxes, dtype=torch.int32), self.size)
+                    crops = self.resize_crops(pixels, torch.cumsum(sizes, 0) - sizes,
+                                              torch.tensor([rows[i][5] for i in index]),
+                                              torch.tensor(boxes, dtype=torch.int32), self.size)
                 if len(index) == len(lengths):
                     images = crops
                 else:

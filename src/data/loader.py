@@ -343,8 +343,11 @@ class TrainLoader:
         return min((p["epoch"] if p else 0) for p in self.positions)
 
     def state_dict(self) -> dict:
-        return {"positions": list(self.positions), "batches": self.batches, "bad": list(self.bad),
-                "world_size": self.world_size, "mode": str(self.cfg.mode), "undecodable": self.undecodable}
+        state = {"positions": list(self.positions), "batches": self.batches, "bad": list(self.bad),
+                 "world_size": self.world_size, "mode": str(self.cfg.mode)}
+        if self.decoder is not None:
+            state["undecodable"] = self.undecodable
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if self._iterator is not None:

@@ -16,24 +16,15 @@ Work a pixel: up to 2·⌈scale⌉ + 1 taps per pass, so a 1,024-px crop to 224 
 from __future__ import annotations
 
 import torch
-from torchvision.transforms.v2 import functional as TF
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # a CPU-only install: `resize_crops_reference` is the path
+except ImportError:  # a CPU-only install: the loader resizes with torchvision (src/data/device_decode.py)
     triton = None
 
 COLUMNS = 256  # the first kernel's block of (column, channel) values of one output row
 PIXELS = 64  # the second kernel's block of output pixels of one row
-
-
-def resize_crops_reference(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]],
-                           size: int) -> torch.Tensor:
-    """(B, 3, size, size) uint8: each (H, W, 3) uint8 image's box (top, left, height, width) resized by torchvision,
-    as the loader's workers resize crops."""
-    return torch.stack([TF.resized_crop(image.permute(2, 0, 1), *box, [size, size], antialias=True)
-                        for image, box in zip(images, boxes)])
 
 
 if triton is not None:
@@ -104,7 +95,7 @@ def resize_crops(flat: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor
     """(B, 3, size, size) uint8 crops of the images in `flat`, a uint8 buffer on the device in which image b is
     (H_b, W_b, 3) starting at offsets[b], with widths[b] = W_b; boxes (B, 4) (top, left, height, width) inside each
     image. offsets, widths and boxes are host tensors (the loader's). A Triton kernel's job: on the CPU,
-    `resize_crops_reference` does it."""
+    src/data/device_decode.py's `resize_crops_reference` does it with torchvision."""
     count, device = len(boxes), flat.device
     out = torch.empty(count, 3, size, size, dtype=torch.uint8, device=device)
     if count == 0:

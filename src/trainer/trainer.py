@@ -134,6 +134,14 @@ def image_normalizer(cfg: TrainConfig, device: torch.device) -> ImageNormalizer:
                            compile=resolve_compile(cfg, device)[0])
 
 
+def device_decoder(cfg: TrainConfig, device: torch.device) -> DeviceDecoder:
+    """data.decode_on=device: the batched crop kernels on a GPU, torchvision's resize (the reference) on a CPU."""
+    kernels = None
+    if device.type == "cuda":
+        from src.kernels.resized_crop import resize_crops as kernels
+    return DeviceDecoder(device, cfg.model.vision.image_size, cfg.data.decode_threads, kernels)
+
+
 def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | None = None) -> TrainParts:
     """The parts of a CLIP run on image-text pairs. `loader`: batches from elsewhere (a benchmark's, already on
     the device) instead of the webdataset loader."""
@@ -156,7 +164,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
             cfg.data, image_size=image_size, context_length=cfg.model.text.context_length,
             seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
             pin_memory=device.type == "cuda", canvas=canvas,
-            decoder=DeviceDecoder(device, image_size, cfg.data.decode_threads) if on_device else None,
+            decoder=device_decoder(cfg, device) if on_device else None,
         )
     normalize = image_normalizer(cfg, device)
     contrastive = contrastive_loss(cfg.loss)

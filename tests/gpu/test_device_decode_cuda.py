@@ -21,8 +21,9 @@ def photo_jpeg(width: int, height: int) -> bytes:
 
 
 def test_resize_crops_on_cuda_match_torchvision_within_one_level():
+    from src.data.device_decode import resize_crops_reference
     from src.data.image_text import random_resized_crop_box
-    from src.kernels.resized_crop import resize_crops, resize_crops_reference
+    from src.kernels.resized_crop import resize_crops
 
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -40,6 +41,7 @@ def test_the_gpu_decodes_a_loader_batch_as_the_cpu_reference_does():
     from src.compose import compose_config
     from src.data.device_decode import DeviceDecoder, collate_for_device, jpeg_for_device
     from src.data.image_text import Preprocess
+    from src.kernels.resized_crop import resize_crops
 
     preprocess = Preprocess.from_config(compose_config([]).data)
     rng = random.Random(1)
@@ -53,7 +55,7 @@ def test_the_gpu_decodes_a_loader_batch_as_the_cpu_reference_does():
         out, failed = decoder.result(decoder.submit(batch))
         return out["images"].cpu(), failed
 
-    on_gpu = DeviceDecoder(torch.device("cuda"), 224, threads=1)
+    on_gpu = DeviceDecoder(torch.device("cuda"), 224, threads=1, resize_crops=resize_crops)
     (gpu, failed), (again, _) = decode(on_gpu), decode(on_gpu)  # the second into the first one's buffers
     cpu, _ = decode(DeviceDecoder(torch.device("cpu"), 224))
     assert failed == [] and gpu.shape == cpu.shape == (32, 3, 224, 224) and torch.equal(gpu, again)
