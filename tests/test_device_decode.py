@@ -154,3 +154,35 @@ def test_a_cpu_run_with_device_decoding_trains(shapes, tmp_path):
     assert batch["images"].shape[-1] == 32 and "jpeg_bytes" not in batch
     losses = [trainer.train_step(next(trainer.loader))["loss"].item() for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+class FakeNvimgcodec:
+    """nvImageCodec's decoder constructor, refusing the backends named in `refused`."""
+
+    def __init__(self, refused: set[str]):
+        self.refused, self.opened = refused, []
+        self.BackendKind = type("BackendKind", (), {k: k for k in ("HW_GPU_ONLY", "HYBRID_CPU_GPU")})
+
+    def Backend(self, kind):  # noqa: N802 (nvImageCodec's name)
+        return kind
+
+    def Decoder(self, device_id, backends):  # noqa: N802
+        if self.refused & set(backends):
+            raise RuntimeError("Internal error - Could not create decoder. Code: 7")
+        self.opened.append(backends)
+        return "decoder"
+
+
+def test_the_decoder_falls_back_from_the_jpeg_engines_and_says_so(caplog):
+    fake = FakeNvimgcodec(set())
+    assert device_decode.open_decoder(fake, 0) == "decoder" and fake.opened == [["HW_GPU_ONLY", "HYBRID_CPU_GPU"]]
+    fake = FakeNvimgcodec({"HW_GPU_ONLY"})
+    assert device_decode.open_decoder(fake, 0) == "decoder" and fake.opened == [["HYBRID_CPU_GPU"]]
+    assert "could not open HW_GPU_ONLY+HYBRID_CPU_GPU: Internal error" in caplog.text
+    with pytest.raises(RuntimeError, match="could not open a JPEG decoder on cuda:1 .*set data.decode_on=workers"):
+        device_decode.open_decoder(FakeNvimgcodec({"HYBRID_CPU_GPU"}), 1)
+
+
+def test_auto_needs_triton_for_the_crop_kernels(monkeypatch):
+    monkeypatch.setattr(device_decode, "find_spec", lambda name: None if name == "triton" else object())
+    assert "Triton, which runs the crop kernels, is not installed" in device_decode.nvimgcodec_missing()

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib.util
+import logging
 import threading
 import time
 from collections.abc import Callable
+from importlib.util import find_spec
 
 import numpy as np
 import torch
@@ -52,14 +53,40 @@ from src.data.image_text import (
     random_resized_crop_box,
 )
 
+log = logging.getLogger(__name__)
+
 NVIMGCODEC_WHEELS = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg (CUDA 13; the -cu12 wheels for CUDA 12)"
 
 
 def nvimgcodec_missing() -> str | None:
-    """Why nvImageCodec cannot decode here, or None."""
-    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None:
+    """Why the GPU cannot decode and crop here, or None: nvImageCodec decodes, Triton runs the crop kernels."""
+    if find_spec("nvidia") is None or find_spec("nvidia.nvimgcodec") is None:
         return f"nvImageCodec is not installed ({NVIMGCODEC_WHEELS})"
+    if find_spec("triton") is None:
+        return "Triton, which runs the crop kernels, is not installed (pip install triton, or the gpu extra)"
     return None
+
+
+# The JPEG engines first, then nvJPEG on the SMs with the host's help for what they cannot decode (progressive
+# JPEGs); where the engines cannot be opened (a GPU without them, or all taken), nvJPEG alone.
+BACKEND_CHOICES = (("HW_GPU_ONLY", "HYBRID_CPU_GPU"), ("HYBRID_CPU_GPU",))
+
+
+def open_decoder(nvimgcodec, device_index: int):
+    """An nvImageCodec decoder on the first backends of BACKEND_CHOICES that open; a fallback is logged."""
+    failures = []
+    for kinds in BACKEND_CHOICES:
+        backends = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind)) for kind in kinds]
+        try:
+            decoder = nvimgcodec.Decoder(device_id=device_index, backends=backends)
+        except RuntimeError as err:
+            failures.append(f"{'+'.join(kinds)}: {err}")
+            continue
+        if failures:
+            log.warning("data: nvImageCodec could not open %s; decoding with %s", "; ".join(failures), "+".join(kinds))
+        return decoder
+    raise RuntimeError(f"nvImageCodec could not open a JPEG decoder on cuda:{device_index} ({'; '.join(failures)}): "
+                       "set data.decode_on=workers")
 
 
 def resolve_decode_on(cfg: DataConfig, device: torch.device) -> tuple[bool, str]:
@@ -167,10 +194,7 @@ class DeviceDecoder:
         if not hasattr(self.local, "decoder"):
             from nvidia import nvimgcodec
 
-            # The JPEG engines first; nvJPEG on the SMs and host for what they cannot decode (progressive JPEGs).
-            backends = [nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
-                        nvimgcodec.Backend(nvimgcodec.BackendKind.HYBRID_CPU_GPU)]
-            self.local.decoder = nvimgcodec.Decoder(device_id=self.device.index or 0, backends=backends)
+            self.local.decoder = open_decoder(nvimgcodec, self.device.index or 0)
             self.local.params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
                                                         color_spec=nvimgcodec.ColorSpec.SRGB)
             self.local.stream = torch.cuda.Stream(self.device)
