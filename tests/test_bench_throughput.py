@@ -48,7 +48,8 @@ def test_throughput_bench_smoke_run(tmp_path):
 
 def test_end_to_end_reads_given_shards(tmp_path, shapes):
     """--e2e-shards: the loader reads the user's shards (photographs at their own sizes, say), which need no
-    sizes.json (--samples is then the epoch's length); nothing is written."""
+    sizes.json (--samples is then the epoch's length); nothing is written. Decoded by the training process
+    (data.decode_on=device, on a CPU the reference path), the row says how long a batch's decode took."""
     given = tmp_path / "given"
     given.mkdir()
     for url in expand_shards(shapes["shards"]):
@@ -58,12 +59,13 @@ def test_end_to_end_reads_given_shards(tmp_path, shapes):
     command = [sys.executable, "bench/throughput.py", "--device", "cpu", "--model", "vit_tiny", "--batch", "8",
                "--steps", "1", "--warmup", "1", "--end-to-end", "--e2e-shards", pattern, "--samples", "64",
                "--e2e-warmup-seconds", "0", "--e2e-seconds", "0", "--shards-dir", str(tmp_path / "unused"),
-               "--json", str(out)]
+               "--json", str(out), "--set", "data.decode_on=device"]
     result = run_with_stacks(command, cwd=ROOT, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     compute, loaded = json.loads(out.read_text())["rows"]
     assert compute["shards"] is None and loaded["shards"] == pattern and loaded["shard_px"] is None
     assert loaded["samples_per_s"] > 0 and not (tmp_path / "unused").exists()
+    assert loaded["decode_ms"] > 0 and "decode_ms" not in compute
 
 
 def test_timing_a_recorded_step_needs_warmup_past_the_capture():
