@@ -222,6 +222,9 @@ class DeviceDecoder:
         if any(image is None for image in reuse):
             decoded = state.decoder.decode(streams, params=state.params, cuda_stream=state.stream.cuda_stream)
         else:
+            # The last batch's crops read these buffers on this stream: done before they are written again (a
+            # millisecond's wait of this thread, not of the training step).
+            state.stream.synchronize()
             decoded = state.decoder.decode(streams, images=reuse, params=state.params,
                                            cuda_stream=state.stream.cuda_stream)
         state.images = [image for image in decoded if image is not None] + state.images[len(streams):]
