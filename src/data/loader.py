@@ -58,6 +58,18 @@ def default_num_workers() -> int:
     return max(1, min(16, per_rank * 3 // 4))
 
 
+PREFETCH_FACTOR = 4  # batches each worker keeps ready
+
+
+def loader_shared_memory(cfg: DataConfig, image_size: int, context_length: int, canvas: int, world_size: int) -> int:
+    """Bytes of shared memory one rank's training loader may hold at once: every worker's prefetched batches and the
+    one it is building, each its uint8 pixels (canvases with `canvas`, clips of data.frames frames) and tokens."""
+    frames = max(1, cfg.frames)
+    side = canvas or image_size
+    per_sample = frames * 3 * side * side + context_length * 8
+    return cfg.num_workers * (PREFETCH_FACTOR + 1) * (cfg.batch_size // world_size) * per_sample
+
+
 def decode_pixels(
     sample: dict, frames: int, size: int, rng: random.Random | None, scale_min: float, max_pixels: int | None,
     flip: bool = True, *, preprocess: Preprocess,
@@ -285,7 +297,7 @@ class TrainLoader:
         # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
         loader = DataLoader(
             stream, batch_size=None, collate_fn=as_built, num_workers=workers, pin_memory=self.pin_memory,
-            persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+            persistent_workers=workers > 0, prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
             worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()),
             generator=torch.Generator().manual_seed(self.kwargs["seed"]),
         )

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +22,9 @@ if TYPE_CHECKING:
     import torch
 
 from src.config import DataConfig, LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
-from src.data.device_crop import device_path_blocker
-from src.data.device_decode import nvimgcodec_missing
-from src.data.loader import check_batch_size, image_folder, resolve_sources
+from src.data.device_crop import device_path_blocker, resolve_resize_on
+from src.data.device_decode import nvimgcodec_missing, resolve_decode_on
+from src.data.loader import PREFETCH_FACTOR, check_batch_size, image_folder, loader_shared_memory, resolve_sources
 from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
@@ -232,6 +233,29 @@ def check_decode_on(data: DataConfig, device: torch.device) -> None:
                          "data.decode_on=auto or workers")
 
 
+SHARED_MEMORY = "/dev/shm"  # where torch's DataLoader puts the batches its workers hand over (Linux)
+
+
+def check_loader_shared_memory(cfg: TrainConfig, dist_info: DistInfo) -> None:
+    """Refuses a loader whose prefetched batches would not fit in /dev/shm: the workers would die of SIGBUS
+    ("bus error") mid-run, as in a container with Docker's default of 64 MB. Ranks of one node share it. JPEGs
+    decoded on the device travel undecoded, of sizes unknown before the run: that path is not checked."""
+    device, world = dist_info.device, dist_info.world_size
+    if not cfg.data.num_workers or not os.path.isdir(SHARED_MEMORY) or resolve_decode_on(cfg.data, device)[0]:
+        return
+    image_size = cfg.model.vision.image_size
+    canvas = 0 if cfg.data.frames else resolve_resize_on(cfg.data, image_size, device)[0]
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = ranks * loader_shared_memory(cfg.data, image_size, cfg.model.text.context_length, canvas, world)
+    free = shutil.disk_usage(SHARED_MEMORY).free
+    if need > free:
+        raise ValueError(
+            f"the loader's workers may hold {need / 1e9:.2f} GB of shared memory ({ranks} rank(s) x "
+            f"data.num_workers={cfg.data.num_workers} x {PREFETCH_FACTOR + 1} batches of "
+            f"{cfg.data.batch_size // world} samples), but {SHARED_MEMORY} has {free / 1e9:.2f} GB free: lower "
+            "data.num_workers or data.batch_size, or give the machine more (in Docker: --shm-size=16g)")
+
+
 def readable(path: str) -> str | None:
     """Why `path` cannot be read, or None. Opening it and reading one byte is what a reader does first."""
     try:
@@ -360,6 +384,7 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: check_heads(model, video),
         lambda: check_resize_on(cfg.data),
         lambda: check_decode_on(cfg.data, dist_info.device),
+        lambda: check_loader_shared_memory(cfg, dist_info),
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
         # `auto` records only where a recording works (src/trainer/fast_path.py): only `true` can be refused.
         lambda: cfg.trainer.cuda_graph is not True or check_cuda_graph(dist_info.device, dist_info.world_size,
