@@ -8,7 +8,8 @@ antialias=True)`, the workers' path): a triangle as wide as the scale factor, it
 weights of each output pixel normalised. The filter is separable: the first kernel resizes the crop's columns to
 `size` rows (float16 between the passes: at most 1/16 of a grey level off), the second its rows to `size`
 columns, rounding once at the end. torchvision's CPU path rounds to uint8 between its two passes and uses
-fixed-point weights, so the two differ by at most one grey level (tests/test_resized_crop.py).
+fixed-point weights, so the two differ by at most one grey level (tests/test_resized_crop.py under Triton's
+interpreter; tests/gpu/test_device_decode_cuda.py on an H200, 64 images of 100-1,100 px to 224).
 
 Work a pixel: up to 2·⌈scale⌉ + 1 taps per pass, so a 1,024-px crop to 224 px is a dozen loads a pass.
 """
@@ -30,8 +31,8 @@ PIXELS = 64  # the second kernel's block of output pixels of one row
 if triton is not None:
     @triton.jit
     def _taps(center, scale, length):
-        """First tap, tap count bound and inverse filter width of an output position, as torchvision computes
-        them (upsample_bilinear2d_aa): support = scale when shrinking, 1 when enlarging."""
+        """The first tap, the tap after the last and the inverse filter width of an output position, as torchvision
+        computes them (upsample_bilinear2d_aa): support = scale when shrinking, 1 when enlarging."""
         support = tl.maximum(scale, 1.0)
         first = tl.maximum((center - support + 0.5).to(tl.int32), 0)
         last = tl.minimum((center + support + 0.5).to(tl.int32), length)
