@@ -275,8 +275,8 @@ def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceili
     if ceiling:
         result["share_of_matmul_ceiling"] = result["tflops"] / ceiling
     decoder = getattr(trainer.loader, "decoder", None)
-    if decoder is not None and decoder.batches:  # data.decode_on=device: a decode thread's wall time per batch
-        result["decode_ms"] = decoder.host_seconds / decoder.batches * 1e3
+    if decoder is not None:  # data.decode_on=device: a decode thread's wall time per batch
+        result["decode_ms"] = decoder.host_seconds / max(1, decoder.batches) * 1e3
         decoder.close()
     trainer.metrics.close()
     del trainer

@@ -124,6 +124,12 @@ def test_other_images_decode_in_the_workers_and_undecodable_jpegs_take_the_first
     assert torch.equal(batch["images"][png], reference["images"][reference["keys"].index("00001")])
 
 
+def test_a_batch_of_nothing_decodable_is_refused_with_the_fix(tmp_path):
+    pattern = write_shards(tmp_path / "broken", [("jpg", undecodable_jpeg(48, 48)) for _ in range(8)], shards=1)
+    with pytest.raises(RuntimeError, match="none of a batch's 8 JPEGs could be decoded.*data.decode_on=workers"):
+        batches(pattern, DeviceDecoder(CPU, SIZE), 0, count=1)
+
+
 def test_auto_decodes_on_a_gpu_with_nvimgcodec_and_says_why_not(monkeypatch):
     data = compose_config([]).data
     monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: None)

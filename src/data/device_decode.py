@@ -217,17 +217,15 @@ class DeviceDecoder:
             return [self._decode_on_host(data, *shape) for data, shape in zip(chunks, shapes)]
         state = self._state()
         streams = [state.codestream(data) for data in chunks]
-        reuse = state.images[: len(streams)]
-        reuse = reuse + [None] * (len(streams) - len(reuse)) if len(reuse) < len(streams) else reuse
-        if any(image is None for image in reuse):
-            decoded = state.decoder.decode(streams, params=state.params, cuda_stream=state.stream.cuda_stream)
-        else:
+        reuse = state.images[: len(streams)] if len(state.images) >= len(streams) else None
+        if reuse:
             # The last batch's crops read these buffers on this stream: done before they are written again (a
             # millisecond's wait of this thread, not of the training step).
             state.stream.synchronize()
-            decoded = state.decoder.decode(streams, images=reuse, params=state.params,
-                                           cuda_stream=state.stream.cuda_stream)
-        state.images = [image for image in decoded if image is not None] + state.images[len(streams):]
+        decoded = state.decoder.decode(streams, images=reuse, params=state.params,
+                                       cuda_stream=state.stream.cuda_stream)
+        if reuse is None and None not in decoded:
+            state.images = decoded
         out = []
         for image, data, (height, width) in zip(decoded, chunks, shapes):
             tensor = None if image is None else torch.as_tensor(image, device=self.device)
@@ -236,7 +234,7 @@ class DeviceDecoder:
             out.append(tensor)
         return out
 
-    def _run(self, batch: dict) -> tuple[dict, list[int], torch.cuda.Event | None]:
+    def _run(self, batch: dict) -> tuple[dict, list[int], torch.cuda.Event | None, float]:
         start = time.perf_counter()
         lengths, meta = batch.pop("jpeg_lengths").tolist(), batch.pop("jpeg_meta")
         flat, decoded, decoded_index = batch.pop("jpeg_bytes"), batch.pop("decoded"), batch.pop("decoded_index")
@@ -272,20 +270,24 @@ class DeviceDecoder:
                     images[torch.tensor(index, device=self.device)] = crops
             if len(decoded_index):
                 images[decoded_index.to(self.device)] = decoded.to(self.device, non_blocking=True)
+            if len(failed) == len(lengths):
+                raise RuntimeError(f"none of a batch's {len(lengths)} JPEGs could be decoded, on the device or the "
+                                   "host: check the shards with scripts/inspect_shards.py, or set "
+                                   "data.decode_on=workers, which skips corrupt images")
             if failed:
                 first = next(i for i in range(len(lengths)) if i not in failed)
                 images[failed] = images[first].clone()
                 batch["tokens"][failed] = batch["tokens"][first].clone()
             event = stream.record_event() if stream is not None else None
         batch["images"] = images
-        self.host_seconds += time.perf_counter() - start
-        return batch, failed, event
+        return batch, failed, event, time.perf_counter() - start
 
     def submit(self, batch: dict) -> concurrent.futures.Future:
         return self.pool.submit(self._run, batch)
 
     def result(self, future: concurrent.futures.Future) -> tuple[dict, list[int]]:
-        batch, failed, event = future.result()
+        batch, failed, event, seconds = future.result()
+        self.host_seconds += seconds  # summed here, on the one training thread
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)

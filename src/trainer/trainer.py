@@ -136,10 +136,10 @@ def image_normalizer(cfg: TrainConfig, device: torch.device) -> ImageNormalizer:
 
 def device_decoder(cfg: TrainConfig, device: torch.device) -> DeviceDecoder:
     """data.decode_on=device: the batched crop kernels on a GPU, torchvision's resize (the reference) on a CPU."""
-    kernels = None
+    resize = None
     if device.type == "cuda":
-        from src.kernels.resized_crop import resize_crops as kernels
-    return DeviceDecoder(device, cfg.model.vision.image_size, cfg.data.decode_threads, kernels)
+        from src.kernels.resized_crop import resize_crops as resize
+    return DeviceDecoder(device, cfg.model.vision.image_size, cfg.data.decode_threads, resize)
 
 
 def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | None = None) -> TrainParts:
