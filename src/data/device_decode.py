@@ -10,7 +10,7 @@ With `data.decode_on=device` a worker reads the JPEG's size from its header, dra
 as the workers' path, and ships the undecoded bytes with the box (`jpeg_for_device`, `collate_for_device`). The
 training process decodes the batch (`DeviceDecoder`: nvImageCodec on a side stream) and resizes every crop in two
 Triton kernels (src/kernels/resized_crop.py, torchvision's antialiased bilinear filter). Images that are not
-plain 8-bit JPEGs by their header (PNG, WebP, CMYK, ...) are decoded and cropped in the worker as before and
+plain 8-bit JPEGs by their header (PNG, WebP, 12-bit JPEGs, ...) are decoded and cropped in the worker as before and
 travel beside the bytes.
 
 What stays the same: the samples, their order, the resume position and the crop boxes. For a JPEG at least twice
