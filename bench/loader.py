@@ -25,7 +25,9 @@
 3. Microbenchmarks single-image decode strategies on the same JPEGs, in this process: ours (torchvision's
    decode_jpeg for JPEGs under twice the crop size, else PIL with draft(); random resized crop on the uint8
    tensor), PIL with draft() for every image, PIL without draft(), torchvision.io.decode_jpeg for every image,
-   and OpenCLIP's per-sample path for reference (PIL full decode + its train transform); with --batched-decode,
+   OpenCLIP's per-sample path for reference (PIL full decode + its train transform), and what a worker does per
+   image instead under data.decode_on=device (read the size from the header, draw the crop box, ship the bytes:
+   the GPU decodes); with --batched-decode,
    also torchvision's decode_jpeg on lists of JPEGs on --decode-device (nvJPEG on a GPU), wall and host CPU time.
    Strategies are interleaved pass by pass, so load drift hits all of them; ms/image is the median pass.
 
@@ -77,6 +79,7 @@ from torchvision.transforms.v2 import functional as TF
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
 from src.compose import compose_config  # noqa: E402
+from src.data.device_decode import jpeg_for_device  # noqa: E402
 from src.data.image_text import Preprocess, decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
 from src.tools.shard_writer import Row, make_shards  # noqa: E402
@@ -310,8 +313,18 @@ def decode_openclip(data: bytes, rng: random.Random) -> torch.Tensor:
         return OPENCLIP_TRANSFORM(img.convert("RGB"))
 
 
+def ship_for_device(data: bytes, rng: random.Random) -> torch.Tensor:
+    """A worker's share of a JPEG under `data.decode_on=device` (`jpeg_for_device`): its size from the header, the
+    crop box drawn as the workers' path draws it, and its bytes as a tensor; the GPU decodes and crops it. Returns
+    the (6,) crop table row the loader ships beside the bytes."""
+    shipped = jpeg_for_device({"jpg": data}, IMAGE_SIZE, rng, CROP_SCALE_MIN, None, PREPROCESS)
+    return shipped[1]
+
+
+SHIPPED = "ours, data.decode_on=device: header, crop box, bytes"
 DECODERS = {
     "ours: decode_jpeg below 2x crop, else PIL draft": decode_ours,
+    SHIPPED: ship_for_device,
     "PIL draft + uint8 crop": decode_pil_draft,
     "PIL no draft + uint8 crop": decode_pil_no_draft,
     "torchvision decode_jpeg + uint8 crop": decode_torchvision,
@@ -320,9 +333,9 @@ DECODERS = {
 
 
 def bench_decode(images: list[bytes], passes: int) -> dict:
-    for fn in DECODERS.values():  # warm-up, and a check that each gives a (3, 224, 224) image
+    for name, fn in DECODERS.items():  # warm-up, and a check that each gives a (3, 224, 224) image (or a crop row)
         out = fn(images[0], random.Random(0))
-        assert tuple(out.shape) == (3, IMAGE_SIZE, IMAGE_SIZE), out.shape
+        assert tuple(out.shape) == ((6,) if name == SHIPPED else (3, IMAGE_SIZE, IMAGE_SIZE)), (name, out.shape)
     times: dict[str, list[float]] = {name: [] for name in DECODERS}
     for p in range(passes):
         for name, fn in DECODERS.items():

@@ -3,6 +3,7 @@
 import importlib.util
 import io
 import os
+import random
 
 from conftest import ROOT
 from PIL import Image
@@ -25,3 +26,20 @@ def test_batched_decode_times_lists_of_jpegs_and_crops_them():
     result = bench.bench_batched_decode(images, batch=2, passes=2, device="cpu")
     assert result["device"] == "cpu" and result["batch"] == 2 and len(result["passes"]) == 2
     assert 0 < result["ms_per_image_min"] <= result["ms_per_image"] and result["cpu_ms_per_image"] > 0
+
+
+def test_decode_microbenchmark_times_every_strategy_and_a_workers_share_under_device_decoding():
+    bench = load_bench()
+    images = []
+    for side in (300, 520, 640):
+        buffer = io.BytesIO()
+        Image.new("RGB", (side, side * 3 // 4), (side % 256, 90, 30)).save(buffer, format="JPEG")
+        images.append(buffer.getvalue())
+    result = bench.bench_decode(images, passes=2)
+    assert set(result) == set(bench.DECODERS) and bench.SHIPPED in result
+    for row in result.values():
+        assert len(row["passes"]) == 2 and 0 < row["ms_per_image_min"] <= row["ms_per_image"]
+    # What the worker ships for a 520 x 390 JPEG: a crop box inside the image, and the size read from its header.
+    top, left, height, width, image_height, image_width = bench.ship_for_device(images[1], random.Random(0)).tolist()
+    assert (image_height, image_width) == (390, 520)
+    assert 0 <= top and top + height <= 390 and 0 <= left and left + width <= 520 and height * width > 0.8 * 390 * 520
