@@ -16,13 +16,19 @@ def load_bench():
     return module
 
 
-def test_batched_decode_times_lists_of_jpegs_and_crops_them():
-    bench = load_bench()
+def small_jpegs() -> list[bytes]:
+    """Three JPEGs of 300 x 225, 520 x 390 and 640 x 480 pixels."""
     images = []
     for side in (300, 520, 640):
         buffer = io.BytesIO()
         Image.new("RGB", (side, side * 3 // 4), (side % 256, 90, 30)).save(buffer, format="JPEG")
         images.append(buffer.getvalue())
+    return images
+
+
+def test_batched_decode_times_lists_of_jpegs_and_crops_them():
+    bench = load_bench()
+    images = small_jpegs()
     result = bench.bench_batched_decode(images, batch=2, passes=2, device="cpu")
     assert result["device"] == "cpu" and result["batch"] == 2 and len(result["passes"]) == 2
     assert 0 < result["ms_per_image_min"] <= result["ms_per_image"] and result["cpu_ms_per_image"] > 0
@@ -30,11 +36,7 @@ def test_batched_decode_times_lists_of_jpegs_and_crops_them():
 
 def test_decode_microbenchmark_times_every_strategy_and_a_workers_share_under_device_decoding():
     bench = load_bench()
-    images = []
-    for side in (300, 520, 640):
-        buffer = io.BytesIO()
-        Image.new("RGB", (side, side * 3 // 4), (side % 256, 90, 30)).save(buffer, format="JPEG")
-        images.append(buffer.getvalue())
+    images = small_jpegs()
     result = bench.bench_decode(images, passes=2)
     assert set(result) == set(bench.DECODERS) and bench.SHIPPED in result
     for row in result.values():
