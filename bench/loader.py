@@ -316,9 +316,9 @@ def decode_openclip(data: bytes, rng: random.Random) -> torch.Tensor:
 def ship_for_device(data: bytes, rng: random.Random) -> torch.Tensor:
     """A worker's share of a JPEG under `data.decode_on=device` (`jpeg_for_device`): its size from the header, the
     crop box drawn as the workers' path draws it, and its bytes as a tensor; the GPU decodes and crops it. Returns
-    the (6,) crop table row the loader ships beside the bytes."""
-    shipped = jpeg_for_device({"jpg": data}, IMAGE_SIZE, rng, CROP_SCALE_MIN, None, PREPROCESS)
-    return shipped[1]
+    the (6,) crop table row the loader ships beside the bytes (a non-JPEG, decoded in the worker, fails to unpack)."""
+    _jpeg, row = jpeg_for_device({"jpg": data}, IMAGE_SIZE, rng, CROP_SCALE_MIN, None, PREPROCESS)
+    return row
 
 
 SHIPPED = "ours, data.decode_on=device: header, crop box, bytes"
