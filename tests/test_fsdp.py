@@ -205,7 +205,11 @@ def assert_same_tensors(got, want, path: str = "") -> None:
             # and Adam turns the rounding noise left in it into ±lr steps that differ with the summation order.
             third = len(want) // 3
             got, want = torch.cat([got[:third], got[2 * third:]]), torch.cat([want[:third], want[2 * third:]])
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=path)
+        # Adam divides each gradient by its own running size, so the rounding differences of the two reduction
+        # orders reach the weights; they vary between runs of this test (the worst element at 0.07-0.2 of
+        # rtol=1e-5, atol=1e-6 in three runs, and once past it). Weights that missed a reduction follow their
+        # rank's half of the batch, far outside 1e-4.
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda detail: f"{path}: {detail}")
     elif isinstance(want, float):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), path
     else:
