@@ -1,9 +1,12 @@
 import os
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from src.compose import CONFIGS, compose_config
 from src.tools.synthetic_shapes import make_synthetic_shapes
@@ -25,6 +28,26 @@ def shapes(tmp_path_factory) -> dict[str, str]:
 def data_overrides(shapes: dict[str, str]) -> list[str]:
     # Quoted: braces are Hydra override syntax.
     return [f"data.shards='{shapes['shards']}'", f"data.eval_shards='{shapes['eval_shards']}'", "data.generate=false"]
+
+
+def free_port() -> int:
+    """A TCP port that nothing on this machine listens on, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fork_ranks(worker, *args, world: int) -> None:
+    """worker(rank, *args) in `world` processes forked from this one, joined; a rank's exception fails the test.
+    Forked, not spawned: a spawned rank spends seconds importing torch and the project again, most of what these
+    tests would take."""
+    mp.start_processes(_single_threaded, args=(worker, *args), nprocs=world, start_method="fork")
+
+
+def _single_threaded(rank: int, worker, *args) -> None:
+    # The parent's OpenMP threads are not in a forked process: a pool of more than one thread would wait for them.
+    torch.set_num_threads(1)
+    worker(rank, *args)
 
 
 def run_with_stacks(command: list[str], *, timeout: float, env: dict[str, str] | None = None,

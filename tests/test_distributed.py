@@ -3,13 +3,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from src.kernels.dispatch import build_model_with_kernels
 from src.parallel.distributed import all_reduce_mean
 from src.trainer.loss import clip_loss
-from tests.conftest import data_overrides, run_train
+from tests.conftest import data_overrides, fork_ranks, free_port, run_train
 from tests.test_model import tiny_config
 
 BATCH = 8
@@ -45,7 +44,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_two_ranks_with_half_batch_match_one_rank(tmp_path):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(worker, args=(2, 29517, out), nprocs=2)
+    fork_ranks(worker, 2, free_port(), out, world=2)
     distributed = torch.load(out, weights_only=True)
     expected_loss, expected_grads = loss_and_grads(*batch_and_model())
     torch.testing.assert_close(distributed["loss"], expected_loss, rtol=1e-6, atol=1e-6)

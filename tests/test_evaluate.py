@@ -11,7 +11,6 @@ import tarfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from src.data.image_text import Preprocess
@@ -22,7 +21,7 @@ from src.parallel.parallelize import apply_fsdp
 from src.tools.synthetic_shapes import CLASSES
 from src.trainer.preflight import preflight
 from src.trainer.trainer import image_text_parts
-from tests.conftest import compose_config, data_overrides, run_train
+from tests.conftest import compose_config, data_overrides, fork_ranks, free_port, run_train
 from tests.test_data import png_bomb
 from tests.test_trainer import read_metrics, tiny_run
 
@@ -199,7 +198,6 @@ def rank_split_overrides(shapes: dict[str, str], folder: dict[str, str], bad: st
 
 def rank_split_worker(rank: int, port: int, runs: list[tuple[list[str], str]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     for overrides, out in runs:
         cfg = compose_config(overrides)
@@ -229,7 +227,7 @@ def test_evaluation_shared_out_over_two_ranks_gives_the_single_process_results(s
     runs = [(overrides, str(tmp_path / "ddp.json")),
             (rank_split_overrides(shapes, image_folder, bad, "trainer.data_parallel=fsdp2"),
              str(tmp_path / "fsdp2.json"))]
-    mp.spawn(rank_split_worker, args=(29551, runs), nprocs=WORLD)
+    fork_ranks(rank_split_worker, free_port(), runs, world=WORLD)
     for _, out in runs:
         with open(out) as f:
             got = json.load(f)

@@ -21,7 +21,7 @@ from src.parallel.distributed import DistInfo
 from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer.loss import clip_loss
 from src.trainer.trainer import Trainer
-from tests.conftest import compose_config, data_overrides
+from tests.conftest import compose_config, data_overrides, fork_ranks, free_port
 from tests.test_distributed import BATCH, batch_and_model
 
 WORLD = 2
@@ -119,7 +119,7 @@ def test_norms_rms_and_skips_of_sharded_tensors_are_those_of_whole_tensors():
     """Gradient norm and clipping, the dynamic scaler's skips, StableAdamW's update clipping and per-tensor skips
     (foreach and single-tensor paths) and update_rms of torch's AdamW, with a NaN that only one rank's shard
     holds, are DDP's on every rank."""
-    mp.spawn(statistics_worker, args=(29541,), nprocs=WORLD)
+    fork_ranks(statistics_worker, free_port(), world=WORLD)
 
 
 def compile_worker(rank: int, port: int) -> None:
@@ -142,7 +142,9 @@ def compile_worker(rank: int, port: int) -> None:
 @pytest.mark.slow
 def test_compiled_blocks_shard_like_eager_ones():
     """trainer.compile=true with fsdp2: apply_compile, then apply_fsdp, gives DDP's gradients and outputs."""
-    mp.spawn(compile_worker, args=(29545,), nprocs=WORLD)
+    # Spawned, not forked: forked after another test had run Dynamo in this process, the ranks compiled three
+    # times slower (64 s against 19 s), with the compiler's state inherited.
+    mp.spawn(compile_worker, args=(free_port(),), nprocs=WORLD)
 
 
 def run_overrides(shapes: dict[str, str], run_dir: str, *extra: str, evaluate: bool = True) -> list[str]:
@@ -158,7 +160,6 @@ def run_overrides(shapes: dict[str, str], run_dir: str, *extra: str, evaluate: b
 
 def trainer_worker(rank: int, port: int, runs: list[list[str]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     for overrides in runs:
         cfg = compose_config(overrides)
@@ -242,7 +243,7 @@ def test_fsdp2_trains_like_ddp_and_checkpoints_move_between_them(shapes, tmp_pat
     ]
     for path in dirs.values():
         path.mkdir()
-    mp.spawn(trainer_worker, args=(29543, runs), nprocs=WORLD)
+    fork_ranks(trainer_worker, free_port(), runs, world=WORLD)
 
     metrics = {name: train_metrics(path) for name, path in dirs.items()}
     assert "eval/zeroshot_top1" in metrics["fsdp2"][STEPS] and "optim/rms/patch_embed" in metrics["fsdp2"][0]

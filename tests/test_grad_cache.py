@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -26,7 +25,7 @@ from src.trainer.loss import clip_loss
 from src.trainer.memory import estimate_memory
 from src.trainer.preflight import ConfigurationError, preflight
 from src.trainer.trainer import Trainer
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compose_config, fork_ranks, free_port
 from tests.test_model import tiny_config
 
 CPU = torch.device("cpu")
@@ -196,7 +195,6 @@ def counted_reduce_scatter(calls: list):
 
 def distributed_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     model, batch = float64_model_and_batch(16)
     local = split_batch(batch, WORLD)[rank]
@@ -229,7 +227,7 @@ def test_two_ranks_accumulate_the_whole_batch_gradient_with_one_reduction(tmp_pa
     """DDP and FSDP2 on two gloo ranks: four micro-batches per rank give DDP's whole-batch gradient (the logit
     scale's too), DDP reduces each bucket once per step and FSDP2 reduce-scatters each group once."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(distributed_worker, args=(29561, out), nprocs=WORLD)
+    fork_ranks(distributed_worker, free_port(), out, world=WORLD)
     results = torch.load(out, weights_only=True)
     (want, buckets, want_params), (got, calls, params) = results["whole"], results["accumulated"]
     assert_close(got, want)

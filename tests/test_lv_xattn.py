@@ -15,13 +15,13 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from src.models.cross_attention import CrossAttentionBlock, saved_activation_bytes
 from src.parallel.xattn import lv as lv_module
 from src.parallel.xattn import ring as ring_module
 from src.parallel.xattn.comm import ShardLengths, shard_lengths
 from src.parallel.xattn.core import cross_attention_reference, merge_partials, visible_keys
+from tests.conftest import fork_ranks
 
 # Keyed by the layer's impl names, so that every op case and layer case runs for each.
 OPS = {
@@ -159,7 +159,6 @@ def strided_cases(world: int) -> list[Case]:
 
 
 def worker(rank: int, world: int, folder: str) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     results = {case.id: run_op(case, local_part(case, tensors(case), rank)) for case in op_cases(world)}
@@ -191,7 +190,7 @@ def worker(rank: int, world: int, folder: str) -> None:
 def distributed(request, tmp_path_factory) -> tuple[int, list[dict]]:
     world = request.param
     folder = tmp_path_factory.mktemp(f"lv_xattn_p{world}")
-    mp.spawn(worker, args=(world, str(folder)), nprocs=world)
+    fork_ranks(worker, world, str(folder), world=world)
     return world, [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 

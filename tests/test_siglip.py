@@ -6,16 +6,15 @@ import json
 import math
 import os
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from src.parallel.distributed import all_gather_with_grad
 from src.trainer.siglip_loss import pair_logits, siglip_loss
+from tests.conftest import fork_ranks, free_port
 
 BATCH, DIM = 30, 16  # divisible by 2, 3 and 5 ranks
 
@@ -73,14 +72,7 @@ def test_loss_and_gradients_match_a_dense_reference_and_openclip(bias):
         assert got["bias"].abs() > 1e-3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ring_worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -110,9 +102,9 @@ def ring_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_ring_gradients_equal_the_single_process_and_all_gather_forms(world, tmp_path):
     """2 ranks take the one-way shift to the rank opposite, 3 one two-way round; 5 a second round, which passes on
-    the tensors of the first (and their gradients back). Forked ranks start without importing anything again."""
+    the tensors of the first (and their gradients back)."""
     out = str(tmp_path / "rank0.pt")
-    mp.start_processes(ring_worker, args=(world, free_port(), out), nprocs=world, start_method="fork")
+    fork_ranks(ring_worker, world, free_port(), out, world=world)
     results = torch.load(out, weights_only=True)
     single = leaves(features())
     loss = call(siglip_loss, single)  # one process: no ring
@@ -150,7 +142,6 @@ def data_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from src.parallel.parallelize import apply_fsdp
 
-    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -168,7 +159,7 @@ def test_ddp_and_fsdp2_gradients_are_those_of_the_single_process_loss_on_the_glo
     """The whole model on 2 ranks: each rank's loss divided by its own images, DDP's and FSDP2's averaging (the
     scale and the bias by apply_fsdp's hook) give every parameter the single-process gradient."""
     out = str(tmp_path / "rank0.pt")
-    mp.start_processes(data_parallel_worker, args=(2, free_port(), out), nprocs=2, start_method="fork")
+    fork_ranks(data_parallel_worker, 2, free_port(), out, world=2)
     results = torch.load(out, weights_only=True)
     want = model_grads(*siglip_model_and_batch())
     assert want["logit_bias"].abs() > 1e-3 and want["logit_scale"].abs() > 1e-3

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from src.compose import compose_config
@@ -19,6 +18,7 @@ from src.models.locking import layer_depths
 from src.optim import build_optimizer, build_scheduler
 from src.optim.schedule import warmup_cosine
 from src.parallel.distributed import DistInfo
+from tests.conftest import fork_ranks, free_port
 
 if TYPE_CHECKING:
     from src.trainer.trainer import Trainer
@@ -222,7 +222,6 @@ def test_a_resume_with_another_lock_or_layer_decay_names_it_and_starts_fresh_mom
 
 def ddp_worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cfg = compose_config(["model=vit_tiny", "model.vision.lock=true"]).model
     torch.manual_seed(0)
@@ -242,7 +241,7 @@ def ddp_worker(rank: int, port: int) -> None:
 
 
 def test_two_ddp_ranks_train_with_a_locked_image_tower():
-    mp.spawn(ddp_worker, args=(29561,), nprocs=2)
+    fork_ranks(ddp_worker, free_port(), world=2)
 
 
 def test_locked_towers_run_compiled_blocks_within_the_recompile_limit(monkeypatch):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from open_clip.tokenizer import decode
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,7 +22,7 @@ from src.tools.synthetic_videos import DIRECTIONS, make_synthetic_video_shards
 from src.trainer.checkpoint import save_checkpoint
 from src.trainer.pretrained import load_pretrained
 from src.trainer.video_trainer import video_text_loss
-from tests.conftest import ROOT, compose_config, run_train
+from tests.conftest import ROOT, compose_config, fork_ranks, free_port, run_train
 from tests.test_model import tiny_config, tiny_openclip
 
 FRAMES, BATCH = 4, 4
@@ -157,7 +156,7 @@ CHECKED = dict(head_ls_init=0.5, vision_trainable_blocks=-1, image_text_weight=0
 ])
 def test_data_and_sequence_parallel_step_equals_single_process(tmp_path, world, sp, video):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(parallel_worker, args=(world, sp, 29620 + world * 10 + sp, video, out), nprocs=world)
+    fork_ranks(parallel_worker, world, sp, free_port(), video, out, world=world)
     got = torch.load(out, weights_only=True)
     want_loss, want_grads = loss_and_grads(tiny_video_model(**video), *clips_and_captions(),
                                            Mesh(0, 1, 0, 1, None, None), video_config(**video).video)
