@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from src.data.image_text import ImageNormalizer  # noqa: E402
 from src.kernels.dispatch import apply_kernels  # noqa: E402
 from src.models.cross_attention import ENGINES  # noqa: E402
 from src.models.video_clip import build_video_model  # noqa: E402
+from src.parallel.distributed import free_port  # noqa: E402
 from src.parallel.mesh import Mesh  # noqa: E402
 from src.trainer.video_trainer import video_text_loss  # noqa: E402
 
@@ -129,12 +129,6 @@ def worker(rank: int, args, port: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,5 @@
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -9,10 +8,11 @@ import torch
 import torch.multiprocessing as mp
 
 from src.compose import CONFIGS, compose_config
+from src.parallel.distributed import free_port
 from src.tools.synthetic_shapes import make_synthetic_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-__all__ = ["CONFIGS", "compose_config"]  # tests import them from here, beside the fixtures
+__all__ = ["CONFIGS", "compose_config", "free_port"]  # tests import them from here, beside the fixtures
 
 
 @pytest.fixture(scope="session")
@@ -28,13 +28,6 @@ def shapes(tmp_path_factory) -> dict[str, str]:
 def data_overrides(shapes: dict[str, str]) -> list[str]:
     # Quoted: braces are Hydra override syntax.
     return [f"data.shards='{shapes['shards']}'", f"data.eval_shards='{shapes['eval_shards']}'", "data.generate=false"]
-
-
-def free_port() -> int:
-    """A TCP port that nothing on this machine listens on, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fork_ranks(worker, *args, world: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -62,6 +63,13 @@ def init_distributed(device_name: str) -> DistInfo:
             global _flag_group
             _flag_group = dist.new_group(backend="gloo")
     return DistInfo(env_rank(), world_size, local_rank, device)
+
+
+def free_port() -> int:
+    """A TCP port that nothing on this machine listens on, for the rendezvous of ranks started on one host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def broadcast_object(obj, src: int = 0):
