@@ -54,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from src.compose import compose_config, module_settings  # noqa: E402
+from src.data.device_decode import widen_cuda_queues  # noqa: E402
 from src.data.loader import default_num_workers  # noqa: E402
 from src.models.clip import build_model  # noqa: E402
 from src.parallel.distributed import DistInfo  # noqa: E402
@@ -365,6 +366,7 @@ def main() -> int:
                                                         "(timeline) to DIR/N.json")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
+    widen_cuda_queues()  # as train.py does, before CUDA starts
     device = torch.device(args.device)
     if args.profile_gpu_only and device.type != "cuda":
         parser.error(f"--profile-gpu-only records CUDA kernels: it needs --device cuda, got {args.device}")

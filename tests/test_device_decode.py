@@ -4,6 +4,7 @@ for larger JPEGs the crops cover the same regions; other images, undecodable JPE
 preflight's refusals."""
 
 import io
+import os
 import random
 import tarfile
 from dataclasses import replace
@@ -19,7 +20,7 @@ from src.data.image_text import random_resized_crop_box
 from src.data.loader import TrainLoader
 from src.parallel.distributed import DistInfo
 from src.trainer.preflight import preflight
-from tests.conftest import compose_config, small_trainer
+from tests.conftest import compose_config, compose_config_unresolved, small_trainer
 from tests.test_data import data_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -172,16 +173,19 @@ class FakeNvimgcodec:
     def Backend(self, kind):  # noqa: N802 (nvImageCodec's name)
         return kind
 
-    def Decoder(self, device_id, backends):  # noqa: N802
+    def Decoder(self, device_id, backends, options="", max_num_cpu_threads=0):  # noqa: N802
         if self.refused & set(backends):
             raise RuntimeError("Internal error - Could not create decoder. Code: 7")
         self.opened.append(backends)
+        self.settings = {"options": options, "max_num_cpu_threads": max_num_cpu_threads}
         return "decoder"
 
 
 def test_the_decoder_falls_back_from_the_jpeg_engines_and_says_so(caplog):
     fake = FakeNvimgcodec(set())
     assert device_decode.open_decoder(fake, 0) == "decoder" and fake.opened == [["HW_GPU_ONLY", "HYBRID_CPU_GPU"]]
+    # one CUDA stream and two host threads, not one of each per core (whose streams would crowd the hardware queues)
+    assert fake.settings == {"options": ":num_cuda_streams=1", "max_num_cpu_threads": 2}
     fake = FakeNvimgcodec({"HW_GPU_ONLY"})
     assert device_decode.open_decoder(fake, 0) == "decoder" and fake.opened == [["HYBRID_CPU_GPU"]]
     assert "could not open HW_GPU_ONLY+HYBRID_CPU_GPU: Internal error" in caplog.text
@@ -192,3 +196,47 @@ def test_the_decoder_falls_back_from_the_jpeg_engines_and_says_so(caplog):
 def test_auto_needs_triton_for_the_crop_kernels(monkeypatch):
     monkeypatch.setattr(device_decode, "find_spec", lambda name: None if name == "triton" else object())
     assert "Triton, which runs the crop kernels, is not installed" in device_decode.nvimgcodec_missing()
+
+
+def test_cuda_queues_are_widened_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    device_decode.widen_cuda_queues()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    device_decode.widen_cuda_queues()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+def test_train_widens_the_cuda_queues_before_cuda_starts(monkeypatch, tmp_path):
+    import importlib
+
+    run_module = importlib.import_module("src.trainer.run")  # the module: src.trainer's `run` is its function
+
+    class Started(Exception):
+        pass
+
+    seen = []
+
+    def init_distributed(device_name):  # where CUDA starts: what the driver would read then
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        raise Started
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(run_module, "init_distributed", init_distributed)
+    with pytest.raises(Started):
+        run_module.run(compose_config_unresolved(["experiment=quickstart", f"trainer.run_dir={tmp_path}",
+                                                  "data.num_workers=0"]))
+    assert seen == ["32"]
+
+
+@pytest.mark.parametrize(("queues", "warns"), [("32", False), ("8", True), (None, True)])
+def test_the_gpu_decoder_warns_when_the_cuda_queues_are_few(monkeypatch, caplog, queues, warns):
+    if queues is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", queues)
+    decoder = DeviceDecoder(torch.device("cuda", 0), SIZE)  # nothing touches the GPU until a batch comes
+    decoder.close()
+    assert ("decode several times slower" in caplog.text) == warns
+    if warns:
+        assert f"CUDA_DEVICE_MAX_CONNECTIONS={queues or 'unset'}" in caplog.text and "set it to 32" in caplog.text

@@ -8,7 +8,7 @@ from src.models.openclip_interop import load_openclip_state_dict
 from src.openclip_architectures import buildable_architectures
 from src.trainer.preflight import ConfigurationError
 from src.trainer.run import resolve
-from tests.conftest import compose_config
+from tests.conftest import compose_config, compose_config_unresolved
 
 
 @pytest.mark.parametrize("name", ["ViT-B-16", "ViT-L-14-336", "ViT-g-14", "ViT-bigG-14", "ViT-H-14-quickgelu"])
@@ -35,12 +35,3 @@ def test_architectures_we_cannot_build_are_refused_with_the_list_of_those_we_can
         with pytest.raises(ConfigurationError, match=needs) as error:
             resolve(compose_config_unresolved(["model=openclip", f"model.name={name}"]))
         assert "choose one of: ViT-B-16," in str(error.value)
-
-
-def compose_config_unresolved(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import CONFIGS
-
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return compose("train", overrides=overrides)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from src.config import ModelConfig, TrainConfig
+from src.data.device_decode import widen_cuda_queues
 from src.data.loader import default_num_workers
 from src.jsonl import iter_jsonl
 from src.models.clip import build_model, count_parameters
@@ -136,6 +137,7 @@ def run(dict_cfg: DictConfig) -> None:
         return
     if cfg.data.num_workers is None:
         cfg.data.num_workers = default_num_workers()
+    widen_cuda_queues()  # before init_distributed, which starts CUDA
     dist_info = init_distributed(cfg.trainer.device)
     try:
         run_dir = HydraConfig.get().runtime.output_dir if dist_info.is_main else None
