@@ -11,18 +11,23 @@ import os
 from collections.abc import Iterator
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from src.config import TrainConfig, register_configs
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def compose_config(overrides: list[str]) -> TrainConfig:
-    """The typed config of `train.py OVERRIDES...` (e.g. ["experiment=quickstart", "trainer.max_steps=10"])."""
+def compose_unresolved(overrides: list[str]) -> DictConfig:
+    """The config Hydra hands `train.py OVERRIDES...`'s `run`: interpolations and checks left to `run`."""
     register_configs()
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
+        return compose("train", overrides=overrides)
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    """The typed config of `train.py OVERRIDES...` (e.g. ["experiment=quickstart", "trainer.max_steps=10"])."""
+    return OmegaConf.to_object(compose_unresolved(overrides))
 
 
 @contextlib.contextmanager

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from src.compose import CONFIGS, compose_config
+from src.compose import CONFIGS, compose_config, compose_unresolved
 from src.parallel.distributed import free_port
 from src.tools.synthetic_shapes import make_synthetic_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests import them from here, beside the fixtures
-__all__ = ["CONFIGS", "compose_config", "compose_config_unresolved", "free_port"]
+__all__ = ["CONFIGS", "compose_config", "compose_unresolved", "free_port"]
 
 
 @pytest.fixture(scope="session")
@@ -91,14 +91,6 @@ def proc_stat(pid: int) -> tuple[str, list[str]] | None:
     except OSError:
         return None
     return stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-
-
-def compose_config_unresolved(overrides: list[str]):
-    """train.yaml with `overrides` as Hydra composes it for train.py's `run`: interpolations and checks left to it."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return compose("train", overrides=overrides)
 
 
 def small_trainer(shapes: dict[str, str], run_dir, *extra: str, evaluate: bool = False):

@@ -20,7 +20,7 @@ from src.data.image_text import random_resized_crop_box
 from src.data.loader import TrainLoader
 from src.parallel.distributed import DistInfo
 from src.trainer.preflight import preflight
-from tests.conftest import compose_config, compose_config_unresolved, small_trainer
+from tests.conftest import compose_config, compose_unresolved, small_trainer
 from tests.test_data import data_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -224,7 +224,7 @@ def test_train_widens_the_cuda_queues_before_cuda_starts(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     monkeypatch.setattr(run_module, "init_distributed", init_distributed)
     with pytest.raises(Started):
-        run_module.run(compose_config_unresolved(["experiment=quickstart", f"trainer.run_dir={tmp_path}",
+        run_module.run(compose_unresolved(["experiment=quickstart", f"trainer.run_dir={tmp_path}",
                                                   "data.num_workers=0"]))
     assert seen == ["32"]
 

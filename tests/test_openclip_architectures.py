@@ -8,7 +8,7 @@ from src.models.openclip_interop import load_openclip_state_dict
 from src.openclip_architectures import buildable_architectures
 from src.trainer.preflight import ConfigurationError
 from src.trainer.run import resolve
-from tests.conftest import compose_config, compose_config_unresolved
+from tests.conftest import compose_config, compose_unresolved
 
 
 @pytest.mark.parametrize("name", ["ViT-B-16", "ViT-L-14-336", "ViT-g-14", "ViT-bigG-14", "ViT-H-14-quickgelu"])
@@ -33,5 +33,5 @@ def test_architectures_we_cannot_build_are_refused_with_the_list_of_those_we_can
     for name, needs in (("RN50", "a ResNet"), ("ViT-B-16-SigLIP", "vision_cfg.timm_model_name"),
                         ("coca_ViT-B-32", "multimodal_cfg"), ("ViT-Q-99", "is not an architecture open_clip ships")):
         with pytest.raises(ConfigurationError, match=needs) as error:
-            resolve(compose_config_unresolved(["model=openclip", f"model.name={name}"]))
+            resolve(compose_unresolved(["model=openclip", f"model.name={name}"]))
         assert "choose one of: ViT-B-16," in str(error.value)
