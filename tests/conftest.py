@@ -16,6 +16,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["CONFIGS", "compose_config", "compose_unresolved", "free_port"]
 
 
+def _start_autograd_before_any_compile() -> None:
+    # Autograd's engine decides at a process's first backward whether to start threads for other devices; a child
+    # forked after that cannot run backward ("Unable to handle autograd's threading in combination with fork-based
+    # multiprocessing"). Once torch.compile has run, even with backend="eager", that first backward starts them on
+    # a machine without a GPU too. One backward here, before any test compiles, keeps fork_ranks' ranks usable
+    # whichever tests a worker ran before.
+    x = torch.ones(1, requires_grad=True)
+    x.sum().backward()
+
+
+_start_autograd_before_any_compile()
+
+
 @pytest.fixture(scope="session")
 def shapes(tmp_path_factory) -> dict[str, str]:
     """Small synthetic-shapes shards, shared by the whole session: 8 train shards, 2 eval shards."""

@@ -71,3 +71,19 @@ def test_torchrun_two_ranks_share_one_run_directory(shapes, tmp_path):
     assert sorted(os.listdir(run_dir / "checkpoints/step_00000020")) == [
         "manifest.json", "model.pt", "rank_0.pt", "rank_1.pt", "train_state.pt"]
     assert not (run_dir.parent.parent / ".hydra").exists()
+
+
+def backward_in_rank(rank: int, out: str) -> None:
+    x = torch.ones(3, requires_grad=True)
+    (x * (rank + 2)).sum().backward()
+    torch.save(x.grad, os.path.join(out, f"grad{rank}.pt"))
+
+
+def test_ranks_forked_after_a_compile_run_backward(tmp_path):
+    # torch.compile, then a backward in this process: what a worker has done before most fork_ranks tests
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+    x = torch.ones(2, requires_grad=True)
+    x.sum().backward()
+    fork_ranks(backward_in_rank, str(tmp_path), world=2)
+    grads = [torch.load(tmp_path / f"grad{rank}.pt", weights_only=True) for rank in range(2)]
+    assert [g.tolist() for g in grads] == [[2.0] * 3, [3.0] * 3]
