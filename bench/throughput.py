@@ -18,7 +18,8 @@ has filled CUDA's launch queue and waits on it, which a profile's timeline tells
 does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with preflight's
 estimate beside it, `estimate_gib`: src/trainer/memory.py), and the caching allocator's flush-and-retry count
 (`alloc_retries`, each a wait for the GPU); end to end with `data.decode_on=device`, a decode thread's wall time
-per batch (`decode_ms`: near `data.decode_threads` x `step_ms`, the decoding sets the pace). With a recorded
+per batch (`decode_ms`: near `data.decode_threads` x `step_ms`, the decoding sets the pace) and its phases
+(`decode_phase_ms`: `DeviceDecoder`'s docstring names them). With a recorded
 step (`trainer.cuda_graph`, on by `auto` on one GPU) only replays of the recorded step are timed (`--warmup` must
 reach past the capture), and `host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer`
 runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our
@@ -276,8 +277,10 @@ def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceili
     if ceiling:
         result["share_of_matmul_ceiling"] = result["tflops"] / ceiling
     decoder = getattr(trainer.loader, "decoder", None)
-    if decoder is not None:  # data.decode_on=device: a decode thread's wall time per batch
-        result["decode_ms"] = decoder.host_seconds / max(1, decoder.batches) * 1e3
+    if decoder is not None:  # data.decode_on=device: a decode thread's wall time per batch, and by phase
+        batches = max(1, decoder.batches)
+        result["decode_ms"] = decoder.host_seconds / batches * 1e3
+        result["decode_phase_ms"] = {phase: s / batches * 1e3 for phase, s in decoder.phase_seconds.items()}
         decoder.close()
     trainer.metrics.close()
     del trainer

@@ -66,6 +66,10 @@ def test_end_to_end_reads_given_shards(tmp_path, shapes):
     assert compute["shards"] is None and loaded["shards"] == pattern and loaded["shard_px"] is None
     assert loaded["samples_per_s"] > 0 and not (tmp_path / "unused").exists()
     assert loaded["decode_ms"] > 0 and "decode_ms" not in compute
+    # on a CPU the reference path: no nvImageCodec phases; the phases add up to the whole
+    phases = loaded["decode_phase_ms"]
+    assert set(phases) == {"split", "decode", "crop", "place"}
+    assert sum(phases.values()) == pytest.approx(loaded["decode_ms"])
 
 
 def test_timing_a_recorded_step_needs_warmup_past_the_capture():

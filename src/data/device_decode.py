@@ -191,14 +191,31 @@ def resize_crops_reference(images: list[torch.Tensor], boxes: list[tuple[int, in
                         for image, box in zip(images, boxes)])
 
 
+class PhaseClock:
+    """Wall seconds a decode thread spends in each phase of a batch: `lap(name)` charges the time since the last lap
+    to `name`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
 class DeviceDecoder:
     """The training process's half: `collate_for_device` batches to "images" (B, 3, size, size) uint8 on `device`,
     in `threads` threads of their own, so that the next batches decode while the training step runs (nvImageCodec
     and the CUDA calls release the GIL). Each thread has its decoder, its CUDA stream and the decoded images of its
     last batch, whose buffers the next batch reuses rather than allocating a thousand new ones. `submit` starts a
     batch, `result` (on the training thread) makes the training stream wait for it, and returns it with the
-    indices of the samples that could not be decoded (replaced by the first sample). `host_seconds`: the decode
-    threads' wall time, summed over the batches."""
+    indices of the samples that could not be decoded (replaced by the first sample). `phase_seconds`: the decode
+    threads' wall time by phase (PhaseClock), summed over the batches, so a benchmark can say where a batch's time
+    goes when the decoding sets the pace: "split" (the batch's bytes into JPEGs), "codestreams" (nvImageCodec
+    parses the headers), "decode", "tensors" (the decoded images as tensors, checked), "crop" (the crops resized),
+    "place" (the batch assembled)."""
 
     def __init__(self, device: torch.device, size: int, threads: int = 2, resize_crops: ResizeCrops | None = None):
         # `resize_crops`: the batched kernels (src/kernels/resized_crop.py), which the caller passes in, as the data
@@ -207,7 +224,8 @@ class DeviceDecoder:
         self.threads = threads
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="decode")
         self.local = threading.local()
-        self.host_seconds, self.batches = 0.0, 0
+        self.phase_seconds: dict[str, float] = {}
+        self.batches = 0
         self.on_gpu = device.type == "cuda"
         queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
         if self.on_gpu and queues != str(CUDA_QUEUES):
@@ -239,11 +257,20 @@ class DeviceDecoder:
             return None
         return image.permute(1, 2, 0).contiguous().to(self.device)
 
-    def _decode(self, chunks: list[np.ndarray], shapes: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+    @property
+    def host_seconds(self) -> float:
+        """The decode threads' wall time, summed over the batches."""
+        return sum(self.phase_seconds.values())
+
+    def _decode(self, chunks: list[np.ndarray], shapes: list[tuple[int, int]],
+                clock: PhaseClock) -> list[torch.Tensor | None]:
         if not self.on_gpu:
-            return [self._decode_on_host(data, *shape) for data, shape in zip(chunks, shapes)]
+            out = [self._decode_on_host(data, *shape) for data, shape in zip(chunks, shapes)]
+            clock.lap("decode")
+            return out
         state = self._state()
         streams = [state.codestream(data) for data in chunks]
+        clock.lap("codestreams")
         reuse = state.images[: len(streams)] if len(state.images) >= len(streams) else None
         if reuse:
             # The last batch's crops read these buffers on this stream: done before they are written again (a
@@ -253,16 +280,18 @@ class DeviceDecoder:
                                        cuda_stream=state.stream.cuda_stream)
         if reuse is None and None not in decoded:
             state.images = decoded
+        clock.lap("decode")
         out = []
         for image, data, (height, width) in zip(decoded, chunks, shapes):
             tensor = None if image is None else torch.as_tensor(image, device=self.device)
             if tensor is None or tuple(tensor.shape) != (height, width, 3):
                 tensor = self._decode_on_host(data, height, width)
             out.append(tensor)
+        clock.lap("tensors")
         return out
 
-    def _run(self, batch: dict) -> tuple[dict, list[int], torch.cuda.Event | None, float]:
-        start = time.perf_counter()
+    def _run(self, batch: dict) -> tuple[dict, list[int], torch.cuda.Event | None, dict[str, float]]:
+        clock = PhaseClock()
         lengths, meta = batch.pop("jpeg_lengths").tolist(), batch.pop("jpeg_meta")
         flat, decoded, decoded_index = batch.pop("jpeg_bytes"), batch.pop("decoded"), batch.pop("decoded_index")
         bytes_np, rows = flat.numpy(), meta.tolist()
@@ -272,12 +301,14 @@ class DeviceDecoder:
                 jpeg_index.append(i)
                 chunks.append(bytes_np[end : end + length])
                 end += length
+        clock.lap("split")
         # Allocated and written on this thread's stream, so that nothing queued on the training stream can still
         # be using this memory; the training stream waits for it in `result` and owns it from there on.
         stream = self._state().stream if self.on_gpu else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             images = torch.empty(len(lengths), 3, self.size, self.size, dtype=torch.uint8, device=self.device)
-            pictures = self._decode(chunks, [(rows[i][4], rows[i][5]) for i in jpeg_index]) if jpeg_index else []
+            shapes = [(rows[i][4], rows[i][5]) for i in jpeg_index]
+            pictures = self._decode(chunks, shapes, clock) if jpeg_index else []
             failed = [i for i, picture in zip(jpeg_index, pictures) if picture is None]
             good = [(i, picture) for i, picture in zip(jpeg_index, pictures) if picture is not None]
             if good:
@@ -291,6 +322,7 @@ class DeviceDecoder:
                     crops = self.resize_crops(pixels, torch.cumsum(sizes, 0) - sizes,
                                               torch.tensor([rows[i][5] for i in index]),
                                               torch.tensor(boxes, dtype=torch.int32), self.size)
+                clock.lap("crop")
                 if len(index) == len(lengths):
                     images = crops
                 else:
@@ -307,14 +339,16 @@ class DeviceDecoder:
                 batch["tokens"][failed] = batch["tokens"][first].clone()
             event = stream.record_event() if stream is not None else None
         batch["images"] = images
-        return batch, failed, event, time.perf_counter() - start
+        clock.lap("place")
+        return batch, failed, event, clock.seconds
 
     def submit(self, batch: dict) -> concurrent.futures.Future:
         return self.pool.submit(self._run, batch)
 
     def result(self, future: concurrent.futures.Future) -> tuple[dict, list[int]]:
         batch, failed, event, seconds = future.result()
-        self.host_seconds += seconds  # summed here, on the one training thread
+        for phase, value in seconds.items():  # summed here, on the one training thread
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + value
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
