@@ -23,7 +23,8 @@ per batch (`decode_ms`: near `data.decode_threads` x `step_ms`, the decoding set
 step (`trainer.cuda_graph`, on by `auto` on one GPU) only replays of the recorded step are timed (`--warmup` must
 reach past the capture), and `host_ms` is then the batch copy, the replay's launch and the optimizer's. `--peer`
 runs OpenCLIP's step (`shared/device/openclip_step.py`) as a subprocess with the same model and batch and prints our
-rate over its rate;
+rate over its rate; with `--end-to-end`, `--openclip-loop SAMPLES` runs OpenCLIP's whole training loop on the same
+shards afterwards (`bench/peers/openclip_train_loop.py`) and gives each end-to-end rate over its rate;
 `--peer bench/peers/openclip_siglip_step.py` is OpenCLIP's step with its `SigLipLoss`, the peer of `loss=siglip`.
 `--profile ROWS [--trace DIR]` prints the costliest kernels of three steps and writes their timeline
 (`bench/kernel_table.py` sums it per kernel; `--gaps` finds where the GPU waited; `--profile-gpu-only` records no
@@ -328,6 +329,24 @@ def run_train_py(args) -> dict:
 
 
 TRAIN_PY_LOG_EVERY = 5
+OPENCLIP_LOOP = os.path.join(ROOT, "bench", "peers", "openclip_train_loop.py")
+
+
+def run_openclip_loop(args) -> dict:
+    """`--openclip-loop`: OpenCLIP's `open_clip_train.main` on the --end-to-end shards (bench/peers/
+    openclip_train_loop.py, which says how its rate is read)."""
+    image_size = compose_config([f"model={args.model}"]).model.vision.image_size
+    with tempfile.TemporaryDirectory(prefix="openclip-loop-") as directory:
+        out = os.path.join(directory, "loop.json")
+        command = [sys.executable, OPENCLIP_LOOP, "--shards", e2e_shards(args, image_size),
+                   "--samples", str(args.openclip_loop), "--batch", str(args.batch),
+                   "--model", OPENCLIP_NAMES[args.model], "--device", args.device,
+                   "--timeout", str(args.openclip_loop_timeout), "--json", out]
+        if args.openclip_loop_pythonpath:
+            command += ["--pythonpath", args.openclip_loop_pythonpath]
+        subprocess.run(command, check=True, cwd=ROOT)
+        with open(out) as f:
+            return json.load(f)
 
 
 def main() -> int:
@@ -361,6 +380,16 @@ def main() -> int:
                         help="--train-py's overrides besides model, data and run length (default: the card's "
                              "command, no performance flags)")
     parser.add_argument("--peer", help="path of OpenCLIP's openclip_step.py, run in this call")
+    parser.add_argument("--openclip-loop", type=int, default=0, metavar="SAMPLES",
+                        help="--end-to-end: also run OpenCLIP's training loop (open_clip_train.main) for one epoch of "
+                             "SAMPLES on the same shards, after the rows, and give each end-to-end row's rate over "
+                             "its rate")
+    parser.add_argument("--openclip-loop-pythonpath", metavar="DIR",
+                        help="--openclip-loop: a directory holding webdataset 0.2.86 and pandas (OpenCLIP's loader "
+                             "fails with webdataset 1.x), put first on the loop's PYTHONPATH")
+    parser.add_argument("--openclip-loop-timeout", type=float, default=300.0,
+                        help="--openclip-loop: seconds before the loop is stopped; its rate is then read from the "
+                             "windows it logged")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, print the ROWS most expensive ops of three profiled steps")
     parser.add_argument("--profile-gpu-only", action="store_true",
@@ -369,6 +398,11 @@ def main() -> int:
                                                         "(timeline) to DIR/N.json")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
+    if args.openclip_loop and not args.end_to_end:
+        parser.error("--openclip-loop runs OpenCLIP's loop on the --end-to-end shards: add --end-to-end")
+    if (args.peer or args.openclip_loop) and args.model not in OPENCLIP_NAMES:
+        parser.error(f"--peer and --openclip-loop run OpenCLIP's {args.model}, which it does not name: use one of "
+                     f"{', '.join(OPENCLIP_NAMES)}")
     widen_cuda_queues()  # as train.py does, before CUDA starts
     device = torch.device(args.device)
     if args.profile_gpu_only and device.type != "cuda":
@@ -406,9 +440,16 @@ def main() -> int:
             row["vs_openclip"] = row["samples_per_s"] / peer["samples_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    loop = run_openclip_loop(args) if args.openclip_loop else None
+    if loop:
+        for row in rows:
+            if row["impl"] == "train.py" or row["end_to_end"]:
+                row["vs_openclip_loop"] = row["samples_per_s"] / loop["samples_per_s"]
+        print(json.dumps({"openclip_loop": loop}), flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "matmul_ceiling_tflops": ceiling, "peer": peer, "rows": rows}
+              "torch": torch.__version__, "matmul_ceiling_tflops": ceiling, "peer": peer, "openclip_loop": loop,
+              "rows": rows}
     if peer:
         print(json.dumps({"peer": peer}), flush=True)
     if args.json:
