@@ -385,8 +385,8 @@ def main() -> int:
                              "SAMPLES on the same shards, after the rows, and give each end-to-end row's rate over "
                              "its rate")
     parser.add_argument("--openclip-loop-pythonpath", metavar="DIR",
-                        help="--openclip-loop: a directory holding webdataset 0.2.86 and pandas (OpenCLIP's loader "
-                             "fails with webdataset 1.x), put first on the loop's PYTHONPATH")
+                        help="--openclip-loop: a directory holding webdataset 0.2.86 (OpenCLIP's loader fails with "
+                             "webdataset 1.x), put first on the loop's PYTHONPATH")
     parser.add_argument("--openclip-loop-timeout", type=float, default=300.0,
                         help="--openclip-loop: seconds before the loop is stopped; its rate is then read from the "
                              "windows it logged")

@@ -7,9 +7,9 @@ over the steps since its last log line. The rate is the batch over the mean of t
 after the first (which holds the compilation and the loader's start); `data_share` is the mean `Data (t)` over
 the mean `Batch (t)` of the same windows, the share of a step spent waiting for data.
 
-OpenCLIP 3.3's loader needs webdataset 0.2.86; with 1.x its workers fail (`KeyError: 'fname'`). Install it, and
-pandas (which `open_clip_train.data` imports), apart from the project's environment and name the directory:
-`pip install --target DIR webdataset==0.2.86 pandas`, then `--pythonpath DIR`.
+OpenCLIP 3.3's loader needs webdataset 0.2.86; with 1.x its workers fail (`KeyError: 'fname'`). Install it apart
+from the project's environment and name the directory: `pip install --no-deps --target DIR webdataset==0.2.86`, then
+`--pythonpath DIR`, which goes first on the loop's PYTHONPATH. `open_clip_train.data` also imports pandas.
 
     python bench/peers/openclip_train_loop.py --shards "shards/{00000..00031}.tar" --samples 49152 \
         --pythonpath .wds-0.2.86 --json loop.json
@@ -103,8 +103,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=15, help="loader processes (a 16-core host less one)")
     parser.add_argument("--log-every", type=int, default=4, help="steps a log window spans")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--pythonpath", help="a directory holding webdataset 0.2.86 and pandas, put first on the "
-                                             "loop's PYTHONPATH")
+    parser.add_argument("--pythonpath", help="a directory holding webdataset 0.2.86, put first on the loop's "
+                                             "PYTHONPATH")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the loop is stopped")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
