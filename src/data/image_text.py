@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,10 @@ def load_rgb(data: bytes, size: int, max_pixels: int | None) -> torch.Tensor:
         check_decodable(*frame, max_pixels)
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     try:
-        img = Image.open(io.BytesIO(data))  # reads the header only
+        with warnings.catch_warnings():
+            # data.max_image_pixels decides below; PIL would also warn of every image past its own 89 Mpx
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))  # reads the header only
     except Image.DecompressionBombError as err:  # PIL's own, higher limit: checked when it reads the header
         raise OversizedImage(str(err)) from err
     with img:
