@@ -282,10 +282,11 @@ def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceili
         batches = max(1, decoder.batches)
         result["decode_ms"] = decoder.host_seconds / batches * 1e3
         result["decode_phase_ms"] = {phase: s / batches * 1e3 for phase, s in decoder.phase_seconds.items()}
-        decoder.close()
+    if end_to_end:
+        trainer.loader.close()  # its workers and decode threads end before the next configuration runs
     trainer.metrics.close()
     del trainer
-    gc.collect()  # ends the loader's worker processes before the next configuration
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result

@@ -1,5 +1,6 @@
 import io
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -81,6 +82,25 @@ def test_batches_are_uint8_images_and_tokens(shapes):
     batch = next(iter(loader(shapes, world_size=1, num_workers=0, batch_size=16)))
     assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (16, 3, 32, 32)
     assert batch["tokens"].shape == (16, 16) and batch["tokens"].dtype == torch.long
+
+
+def test_close_ends_the_workers_and_the_next_batch_continues_exactly(shapes):
+    reference = loader(shapes, num_workers=2)
+    expected = [next(reference) for _ in range(7)]
+    paused = loader(shapes, num_workers=2)
+    before = set(multiprocessing.active_children())
+    for _ in range(3):
+        next(paused)
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 2
+    state_after_3 = paused.state_dict()
+    paused.close()
+    assert not workers & set(multiprocessing.active_children()) and paused.state_dict() == state_after_3
+    for want in expected[3:]:  # started again from the last batch returned: the read-ahead batches come again
+        got = next(paused)
+        assert got["keys"] == want["keys"] and torch.equal(got["images"], want["images"])
+    paused.close()
+    reference.close()
 
 
 @pytest.mark.parametrize("consumed", [3, 8, 13])

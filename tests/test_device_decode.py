@@ -7,6 +7,7 @@ import io
 import os
 import random
 import tarfile
+import threading
 from dataclasses import replace
 
 import pytest
@@ -161,6 +162,37 @@ def test_a_cpu_run_with_device_decoding_trains(shapes, tmp_path):
     assert batch["images"].shape[-1] == 32 and "jpeg_bytes" not in batch
     losses = [trainer.train_step(next(trainer.loader))["loss"].item() for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def new_decode_threads(before: set) -> set:
+    """The live decode threads that were not in `before` (other tests' decoders may still be open)."""
+    return {t for t in threading.enumerate() if t.name.startswith("decode")} - before
+
+
+def test_close_ends_the_decode_threads_and_the_next_batch_continues_exactly(shapes):
+    want, reference = batches(shapes["shards"], DeviceDecoder(CPU, SIZE), 1, count=5)
+    reference.close()
+    before = new_decode_threads(set())
+    got, loader = batches(shapes["shards"], DeviceDecoder(CPU, SIZE), 1, count=2)
+    assert new_decode_threads(before)
+    loader.close()  # two batches were decoding ahead: they are read again
+    assert not new_decode_threads(before)
+    got += [next(loader) for _ in range(3)]
+    assert [b["keys"] for b in got] == [b["keys"] for b in want]
+    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(got, want))
+    loader.close()
+
+
+def test_fit_ends_the_decode_threads_however_it_ends(shapes, tmp_path):
+    before = new_decode_threads(set())
+    trainer = small_trainer(shapes, tmp_path / "run", "data.decode_on=device", "trainer.max_steps=2")
+    trainer.fit()
+    assert trainer.progress.step == 2 and not new_decode_threads(before)
+    trainer = small_trainer(shapes, tmp_path / "failing", "data.decode_on=device", "trainer.max_steps=2")
+    trainer.train_step = None  # fails at the first step, after the first batches were submitted
+    with pytest.raises(TypeError):
+        trainer.fit()
+    assert not new_decode_threads(before)
 
 
 class FakeNvimgcodec:

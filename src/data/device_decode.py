@@ -222,7 +222,7 @@ class DeviceDecoder:
         # package imports no kernel module; without it, on a CPU, torchvision resizes one crop at a time.
         self.device, self.size, self.resize_crops = device, size, resize_crops
         self.threads = threads
-        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first batch
         self.local = threading.local()
         self.phase_seconds: dict[str, float] = {}
         self.batches = 0
@@ -343,6 +343,8 @@ class DeviceDecoder:
         return batch, failed, event, clock.seconds
 
     def submit(self, batch: dict) -> concurrent.futures.Future:
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="decode")
         return self.pool.submit(self._run, batch)
 
     def result(self, future: concurrent.futures.Future) -> tuple[dict, list[int]]:
@@ -357,4 +359,8 @@ class DeviceDecoder:
         return batch, failed
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """Ends the decode threads (a batch being decoded finishes first; queued ones are dropped), and with them
+        their decoders and buffers. The next `submit` starts new ones."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None

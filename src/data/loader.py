@@ -327,6 +327,15 @@ class TrainLoader:
         self._check_bad_fraction()
         return batch
 
+    def close(self) -> None:
+        """Ends the loader's worker processes and decode threads, dropping the batches they had read ahead. A later
+        `next` starts them again from the last batch returned, as a resumed run does, so the batches are the same
+        as without the pause."""
+        if self.decoder is not None:
+            self.decoder.close()
+        self._decoding.clear()
+        self._iterator = None  # the DataLoader's iterator ends its workers when it goes
+
     def bad_counts(self) -> dict[str, int]:
         """Skipped data of this rank so far, by reason."""
         total: Counter[str] = Counter()

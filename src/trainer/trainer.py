@@ -70,8 +70,8 @@ def autocast_dtype(dtype: str) -> torch.dtype | None:
 
 class Loader(Protocol):
     """An endless iterator of batches (tensors by name, on the host or the device). A run that trains with `fit`
-    also needs `state_dict`/`load_state_dict` (checkpoints), `bad_counts()` and `epoch` (metrics), as
-    `TrainLoader` has them; stepping `train_step` by hand needs only batches."""
+    also needs `state_dict`/`load_state_dict` (checkpoints), `bad_counts()` and `epoch` (metrics) and `close()`
+    (the end of `fit`), as `TrainLoader` has them; stepping `train_step` by hand needs only batches."""
 
     def __next__(self) -> dict[str, torch.Tensor]: ...
 
@@ -357,37 +357,38 @@ class Trainer:
         if self.progress.eval_pending:
             self.run_eval()
             self.progress.eval_pending = False
-        while self.progress.step < end:
-            batch = next(self.loader)
-            # train/lr is optim.lr's schedule: the last parameter group is at depth 0, unscaled by layer decay.
-            lr = self.scheduler.get_last_lr()[-1]
-            pending.append((self.progress.step, lr, self.train_step(batch)))
-            self.progress.step += 1
-            stop = self.preemption.requested()
-            if stop or self.progress.step % cfg.log_every == 0 or self.progress.step == end:
-                records, window_start = self.flush_metrics(pending, window_start)
-                self.check_zero_gradient(records)
-                pending = []
-                self.check_nonfinite()
-            every = self.cfg.eval.every
-            evaluate_now = every > 0 and self.progress.step % every == 0
-            evaluate_now = self.evaluates and (evaluate_now or self.progress.step == cfg.max_steps)
-            # A step's checkpoint comes before its evaluation and records that the evaluation is owed: a crash or a
-            # failure in the evaluation then loses no training, and the resumed run evaluates first. On a stop
-            # signal the evaluation (it can take long) is left to the resumed run.
-            self.progress.eval_pending = evaluate_now
-            due = (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end
-            if stop or due:
-                self.save()
-            if stop:
-                received = self.preemption.received
-                cause = received.name if received else "a signal to another rank"
-                self.metrics.message(f"stopped at step {self.progress.step} on {cause}; continue with "
-                                     "trainer.resume=latest")
-                break
-            if evaluate_now:
-                self.run_eval()
-            self.progress.eval_pending = False
+        with contextlib.closing(self.loader):  # its workers and decode threads end with the loop, however it ends
+            while self.progress.step < end:
+                batch = next(self.loader)
+                # train/lr is optim.lr's schedule: the last parameter group is at depth 0, unscaled by layer decay.
+                lr = self.scheduler.get_last_lr()[-1]
+                pending.append((self.progress.step, lr, self.train_step(batch)))
+                self.progress.step += 1
+                stop = self.preemption.requested()
+                if stop or self.progress.step % cfg.log_every == 0 or self.progress.step == end:
+                    records, window_start = self.flush_metrics(pending, window_start)
+                    self.check_zero_gradient(records)
+                    pending = []
+                    self.check_nonfinite()
+                every = self.cfg.eval.every
+                evaluate_now = every > 0 and self.progress.step % every == 0
+                evaluate_now = self.evaluates and (evaluate_now or self.progress.step == cfg.max_steps)
+                # A step's checkpoint comes before its evaluation and records that the evaluation is owed: a crash or a
+                # failure in the evaluation then loses no training, and the resumed run evaluates first. On a stop
+                # signal the evaluation (it can take long) is left to the resumed run.
+                self.progress.eval_pending = evaluate_now
+                due = (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end
+                if stop or due:
+                    self.save()
+                if stop:
+                    received = self.preemption.received
+                    cause = received.name if received else "a signal to another rank"
+                    self.metrics.message(f"stopped at step {self.progress.step} on {cause}; continue with "
+                                         "trainer.resume=latest")
+                    break
+                if evaluate_now:
+                    self.run_eval()
+                self.progress.eval_pending = False
         self.metrics.close()
 
     def check_nonfinite(self) -> None:
