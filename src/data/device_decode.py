@@ -214,8 +214,9 @@ class DeviceDecoder:
     indices of the samples that could not be decoded (replaced by the first sample). `phase_seconds`: the decode
     threads' wall time by phase (PhaseClock), summed over the batches, so a benchmark can say where a batch's time
     goes when the decoding sets the pace: "split" (the batch's bytes into JPEGs), "codestreams" (nvImageCodec
-    parses the headers), "decode", "tensors" (the decoded images as tensors, checked), "crop" (the crops resized),
-    "place" (the batch assembled)."""
+    parses the headers), "wait" (for the GPU to finish this thread's last batch, whose buffers this one reuses),
+    "decode", "tensors" (the decoded images as tensors, checked), "crop" (the crops resized), "place" (the batch
+    assembled)."""
 
     def __init__(self, device: torch.device, size: int, threads: int = 2, resize_crops: ResizeCrops | None = None):
         # `resize_crops`: the batched kernels (src/kernels/resized_crop.py), which the caller passes in, as the data
@@ -276,6 +277,7 @@ class DeviceDecoder:
             # The last batch's crops read these buffers on this stream: done before they are written again (a
             # millisecond's wait of this thread, not of the training step).
             state.stream.synchronize()
+            clock.lap("wait")
         decoded = state.decoder.decode(streams, images=reuse, params=state.params,
                                        cuda_stream=state.stream.cuda_stream)
         if reuse is None and None not in decoded:
