@@ -3,6 +3,7 @@ evaluations (zero-shot top-1 and retrieval R@1 of every evaluation set) when the
 
 Usage: python scripts/plot_run.py RUN_DIR [RUN_DIR ...] [-o OUT.png]
        python scripts/plot_run.py --summary RUN_DIR [RUN_DIR ...]   # one line of figures per run, no plot
+       python scripts/plot_run.py --summary --seeds RUN_DIR ...    # and per group of seeds of one configuration
 
 Each RUN_DIR holds metrics.jsonl and optionally spikes.jsonl (events of src.trainer.spikes) and
 config.yaml (for spikes.rms_threshold and optim.name). Several runs overlay, one colour per run.
@@ -45,6 +46,7 @@ class Run:
     spikes: list[dict[str, Any]] = field(default_factory=list)
     rms_threshold: float = DEFAULT_RMS_THRESHOLD
     batch_size: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # config.yaml, flattened to dotted keys
 
     def series(self, key: str, positive: bool = False) -> tuple[list[float], list[float]]:
         """(steps, values) of the lines with a numeric `key`, sorted by step.
@@ -104,7 +106,20 @@ def load_run(run_dir: Path) -> Run:
         optim_name = _lookup(config, "optim.name")
         if optim_name:
             run.label += f" ({optim_name})"
+        run.config = flatten(config) if isinstance(config, dict) else {}
     return run
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a.b": value} for a nested mapping's leaves (lists are leaves)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
 
 
 def _no_data(ax) -> None:
@@ -251,6 +266,41 @@ def format_summary(row: dict[str, Any]) -> str:
     return "  ".join(f"{k}={fmt(v)}" for k, v in row.items())
 
 
+# What differs between runs of one configuration at several seeds.
+SEED_KEYS = frozenset({"trainer.seed", "trainer.run_dir"})
+SEED_FIGURES = ("final_loss", "zeroshot_top1", "step_ms", "loss_spikes")
+
+
+def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """The runs grouped by configuration, trainer.seed and trainer.run_dir aside, in the order first seen; each
+    group named by the settings in which the groups differ ("all" for one group)."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        setting = {k: v for k, v in run.config.items() if k not in SEED_KEYS}
+        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in setting.items())), []).append(run)
+    settings = [{k: v for k, v in members[0].config.items() if k not in SEED_KEYS} for members in groups.values()]
+
+    def shown(setting: dict[str, Any], key: str) -> str:
+        return str(setting[key]) if key in setting else "(unset)"
+
+    keys = sorted({k for setting in settings for k in setting})
+    differ = [k for k in keys if len({shown(setting, k) for setting in settings}) > 1]
+    return [(", ".join(f"{k}={shown(setting, k)}" for k in differ) or "all", members)
+            for setting, members in zip(settings, groups.values())]
+
+
+def seed_summary(name: str, runs: list[Run]) -> dict[str, Any]:
+    """A group's seeds and, for each of SEED_FIGURES, the mean over its runs and its range."""
+    rows = [summary(run) for run in runs]
+    out: dict[str, Any] = {"group": name, "runs": len(runs),
+                           "seeds": ",".join(str(run.config.get("trainer.seed", "?")) for run in runs)}
+    for figure in SEED_FIGURES:
+        values = [row[figure] for row in rows if row[figure] is not None]
+        out[figure] = sum(values) / len(values) if values else None
+        out[f"{figure}_range"] = f"{min(values):.4g}..{max(values):.4g}" if values else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -260,15 +310,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true",
                         help="print each run's figures (final loss, spike counts, zero-shot top-1, step time); "
                              "plot only with -o")
+    parser.add_argument("--seeds", action="store_true",
+                        help="with --summary: also one line per configuration run at several seeds (runs whose "
+                             "config.yaml differ in trainer.seed only): mean and range of its figures")
     args = parser.parse_args(argv)
     try:
         runs = [load_run(d) for d in args.run_dirs]
     except RunError as e:
         print(f"plot_run: error: {e}", file=sys.stderr)
         return 2
+    if args.seeds and not args.summary:
+        parser.error("--seeds summarizes groups of runs: add --summary")
     if args.summary:
         for run in runs:
             print(format_summary(summary(run)))
+        if args.seeds:
+            for name, members in seed_groups(runs):
+                print(format_summary(seed_summary(name, members)))
         if args.output is None:
             return 0
     out = args.output or (args.run_dirs[0] / "plot.png" if len(runs) == 1 else Path("runs.png"))

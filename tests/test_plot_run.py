@@ -201,3 +201,36 @@ def test_summary_gives_the_runs_figures(tmp_path, capsys):
     assert plot_run.main(["--summary", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "loss_spikes=2" in out and "preceded_share=0.5" in out and not (run_dir / "plot.png").exists()
+
+
+def test_seeds_group_the_runs_of_one_configuration(tmp_path, capsys):
+    """Four runs: two settings of model.linear, two seeds each; the groups' figures are the means over their
+    seeds, with their ranges."""
+    dirs = []
+    for linear, offset in (("standard", 0.0), ("switchback_fp8", 0.5)):
+        for seed in (0, 1):
+            run_dir = write_run(tmp_path / f"{linear}-{seed}", "stable_adamw")
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            for row in rows:  # losses shifted by the setting and the seed
+                if isinstance(row.get("train/loss"), float) and math.isfinite(row["train/loss"]):
+                    row["train/loss"] += offset + 0.1 * seed
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            config = (run_dir / "config.yaml").read_text()
+            (run_dir / "config.yaml").write_text(config + f"model:\n  linear: {linear}\n"
+                                                 f"trainer:\n  seed: {seed}\n  run_dir: {run_dir}\n")
+            dirs.append(run_dir)
+    groups = plot_run.seed_groups([plot_run.load_run(d) for d in dirs])
+    assert [(name, len(runs)) for name, runs in groups] == [("model.linear=standard", 2),
+                                                            ("model.linear=switchback_fp8", 2)]
+    standard = plot_run.seed_summary(*groups[0])
+    single = plot_run.summary(plot_run.load_run(dirs[0]))["final_loss"]
+    assert standard["runs"] == 2 and standard["seeds"] == "0,1"
+    assert standard["final_loss"] == pytest.approx(single + 0.05)
+    assert standard["final_loss_range"] == f"{single:.4g}..{single + 0.1:.4g}"
+    assert plot_run.seed_summary(*groups[1])["final_loss"] == pytest.approx(single + 0.55)
+    assert plot_run.main(["--summary", "--seeds", *map(str, dirs)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 6 and out[4].startswith("group=model.linear=standard  runs=2  seeds=0,1")
+    assert plot_run.seed_groups([plot_run.load_run(dirs[0]), plot_run.load_run(dirs[1])])[0][0] == "all"
+    with pytest.raises(SystemExit):
+        plot_run.main(["--seeds", str(dirs[0])])
