@@ -26,6 +26,7 @@ from src.data.processes import CommandStream
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import decode_clip
 from src.tools.synthetic_shapes import draw_sample, where
+from src.trainer.run import ensure_synthetic_data
 from tests.conftest import compose_config, proc_stat
 
 
@@ -313,6 +314,30 @@ def test_eval_batches_carry_labels(shapes):
     labels = torch.cat([b["labels"] for b in batches])
     assert len(labels) == 100 and labels.min() >= 0
     assert os.path.isfile(os.path.join(os.path.dirname(expand_shards(shapes["eval_shards"])[0]), "classes.json"))
+
+
+def generate_together(cfg, start) -> None:
+    start.wait()  # both processes write at the same moment, as two runs started side by side do
+    ensure_synthetic_data(cfg, is_main=True)
+
+
+def test_two_runs_generating_the_same_data_at_once_both_get_it_whole(tmp_path):
+    cfg = compose_config(["experiment=quickstart", f"data.shards='{tmp_path}/train/train-{{000000..000003}}.tar'",
+                          f"data.eval_shards='{tmp_path}/eval/eval-{{000000..000001}}.tar'",
+                          "data.generate_train_samples=400", "data.generate_eval_samples=40"])
+    context = multiprocessing.get_context("fork")
+    start = context.Barrier(2)
+    runs = [context.Process(target=generate_together, args=(cfg, start)) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(120)
+    assert [run.exitcode for run in runs] == [0, 0]  # without the lock, one replaced the other's shard under it
+    assert json.loads((tmp_path / "train" / "sizes.json").read_text()) == {f"train-{i:06d}.tar": 100 for i in range(4)}
+    assert (tmp_path / "eval" / "classes.json").is_file()
+    keys = [name for i in range(4) for name in tarfile.open(tmp_path / "train" / f"train-{i:06d}.tar").getnames()
+            if name.endswith(".jpg")]
+    assert len(keys) == len(set(keys)) == 400
 
 
 def test_make_synthetic_shards_script(tmp_path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import shlex
 import sys
+from collections.abc import Iterator
 from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
@@ -69,17 +72,42 @@ def resolve(dict_cfg: DictConfig) -> TrainConfig:
         raise ConfigurationError(str(cause)) from None
 
 
+GENERATION_LOCK = ".generating.lock"
+
+
+@contextlib.contextmanager
+def generation_lock(directory: str) -> Iterator[None]:
+    """Held while this process writes generated data into `directory` (made if absent). Two runs started at once
+    on the same generated data (the AdamW and StableAdamW runs of a comparison, say) would both write the same
+    shards and break each other's; the second waits for the first, then finds the data complete. The kernel
+    releases the lock when the process ends however it ends."""
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, GENERATION_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is writing the generated data in %s", directory)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def ensure_synthetic_data(cfg: TrainConfig, is_main: bool) -> None:
     if not cfg.data.generate:
         return
     # Each generator writes this file beside the held-out shards last, when the dataset is complete.
     marker = "sizes.json" if cfg.data.frames else "classes.json"
     make = make_synthetic_video_shards if cfg.data.frames else make_synthetic_shapes
-    if is_main and not os.path.isfile(os.path.join(os.path.dirname(cfg.data.eval_shards), marker)):
-        make(
-            cfg.data.shards, cfg.data.eval_shards, cfg.data.generate_train_samples,
-            cfg.data.generate_eval_samples, size=cfg.model.vision.image_size, seed=cfg.data.generate_seed,
-        )
+    held_out = os.path.dirname(cfg.data.eval_shards) or "."
+    if is_main:
+        with generation_lock(held_out):
+            if not os.path.isfile(os.path.join(held_out, marker)):
+                make(
+                    cfg.data.shards, cfg.data.eval_shards, cfg.data.generate_train_samples,
+                    cfg.data.generate_eval_samples, size=cfg.model.vision.image_size, seed=cfg.data.generate_seed,
+                )
     barrier()
 
 
