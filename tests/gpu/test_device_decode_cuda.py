@@ -59,6 +59,10 @@ def test_the_gpu_decodes_a_loader_batch_as_the_cpu_reference_does():
     (gpu, failed), (again, _) = decode(on_gpu), decode(on_gpu)  # the second into the first one's buffers
     cpu, _ = decode(DeviceDecoder(torch.device("cpu"), 224))
     assert failed == [] and gpu.shape == cpu.shape == (32, 3, 224, 224) and torch.equal(gpu, again)
+    # Every phase of the GPU path was timed; "wait" only for the second batch, which reused the first's buffers.
+    assert set(on_gpu.phase_seconds) == {"split", "codestreams", "wait", "decode", "tensors", "crop", "place"}
+    assert on_gpu.batches == 2 and on_gpu.host_seconds == pytest.approx(sum(on_gpu.phase_seconds.values()))
+    on_gpu.close()
     # Two JPEG decoders (the chip's engines and libjpeg-turbo) differ by a grey level or two here and there.
     diff = (gpu.int() - cpu.int()).abs()
     assert diff.float().mean() < 1.0 and diff.max() <= 24, (diff.float().mean(), diff.max())
