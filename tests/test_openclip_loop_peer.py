@@ -52,9 +52,10 @@ def fake_openclip(directory, *, sleep: float = 0.0) -> str:
     return str(directory)
 
 
-def test_the_loop_runs_with_the_given_pythonpath_and_a_late_loop_is_stopped(tmp_path):
+def test_the_loop_runs_with_the_given_pythonpath_and_a_late_loop_is_stopped(tmp_path, capsys):
     path = fake_openclip(tmp_path / "fake", sleep=0)
     result = loop.run("shards/{0..3}.tar", 64, 8, "ViT-B-32", 2, 4, "cpu", path, timeout=120)
+    assert capsys.readouterr().err.count("Train Epoch") == 3  # its log shown as it runs
     argv = json.loads((tmp_path / "fake" / "argv.json").read_text())
     assert argv[argv.index("--train-data") + 1] == "shards/{0..3}.tar" and "--dataset-resampled" in argv
     assert argv[argv.index("--precision") + 1] == "fp32" and "--torchcompile" not in argv  # on a CPU

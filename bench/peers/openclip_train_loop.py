@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # "Train Epoch: 0 [  4096/49152 (8%)] Data (t): 0.212 Batch (t): 0.301, 3402.12/s, 3402.12/s/gpu LR: ..."
@@ -62,6 +63,13 @@ def rate_from_log(text: str, batch: int) -> dict:
             "data_share": data_mean / batch_mean, "slowest_window_s": max(b for _, b in counted)}
 
 
+def relay(stream, lines: list[str]) -> None:
+    """Each line of `stream` to `lines` and to stderr, until it ends."""
+    for line in stream:
+        lines.append(line)
+        sys.stderr.write(line)
+
+
 def run(shards: str, samples: int, batch: int, model: str, workers: int, log_every: int, device: str,
         pythonpath: str | None, timeout: float) -> dict:
     """Runs the loop and returns its rate (`rate_from_log`), its command and its wall time. A loop still running
@@ -73,17 +81,23 @@ def run(shards: str, samples: int, batch: int, model: str, workers: int, log_eve
         if pythonpath:
             env["PYTHONPATH"] = os.pathsep.join([pythonpath, *filter(None, [env.get("PYTHONPATH")])])
         start = time.perf_counter()
+        lines: list[str] = []
         # A session of its own: on timeout the loop goes with its loader workers, nothing is left running.
         with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) as process:
+            # Its log goes on to stderr as it comes, so minutes of a run show their progress.
+            reader = threading.Thread(target=relay, args=(process.stdout, lines), daemon=True)
+            reader.start()
             try:
-                text, _ = process.communicate(timeout=timeout)
+                process.wait(timeout=timeout)
                 stopped = False
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
-                text, _ = process.communicate()
+                process.wait()
                 stopped = True
+            reader.join()
         wall = time.perf_counter() - start
+        text = "".join(lines)
     if process.returncode != 0 and not stopped:
         raise RuntimeError(f"open_clip_train.main exited with {process.returncode}:\n{text[-4000:]}")
     try:
