@@ -338,6 +338,10 @@ def test_two_runs_generating_the_same_data_at_once_both_get_it_whole(tmp_path):
     keys = [name for i in range(4) for name in tarfile.open(tmp_path / "train" / f"train-{i:06d}.tar").getnames()
             if name.endswith(".jpg")]
     assert len(keys) == len(set(keys)) == 400
+    # Complete data is only read, no lock taken: it may sit in a directory the run cannot write to.
+    (tmp_path / "eval" / ".generating.lock").unlink()
+    ensure_synthetic_data(cfg, is_main=True)
+    assert not (tmp_path / "eval" / ".generating.lock").exists()
 
 
 def test_make_synthetic_shards_script(tmp_path):

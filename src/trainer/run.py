@@ -101,9 +101,10 @@ def ensure_synthetic_data(cfg: TrainConfig, is_main: bool) -> None:
     marker = "sizes.json" if cfg.data.frames else "classes.json"
     make = make_synthetic_video_shards if cfg.data.frames else make_synthetic_shapes
     held_out = os.path.dirname(cfg.data.eval_shards) or "."
-    if is_main:
+    complete = os.path.join(held_out, marker)
+    if is_main and not os.path.isfile(complete):  # complete data is only read: it may sit where nothing is written
         with generation_lock(held_out):
-            if not os.path.isfile(os.path.join(held_out, marker)):
+            if not os.path.isfile(complete):  # another run may have written it meanwhile
                 make(
                     cfg.data.shards, cfg.data.eval_shards, cfg.data.generate_train_samples,
                     cfg.data.generate_eval_samples, size=cfg.model.vision.image_size, seed=cfg.data.generate_seed,
