@@ -63,6 +63,11 @@ def export(checkpoint: str, output: str, ema: bool = False) -> str:
     partial = output + ".tmp"
     if output.endswith(".safetensors"):
         save_file({k: v.contiguous() for k, v in state.items()}, partial)
+        # safetensors 0.8 writes its files 0600 whatever the umask (safetensors issue #782): give the model the
+        # mode of the json beside it, so whoever may read the directory may load it.
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)
     else:
         torch.save(state, partial)
     os.replace(partial, output)

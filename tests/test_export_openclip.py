@@ -2,6 +2,7 @@
 embeddings (layer-scale folded into the weights it scales)."""
 
 import os
+import stat
 import subprocess
 import sys
 
@@ -28,6 +29,8 @@ def test_a_trained_checkpoint_exports_to_open_clip_with_the_same_embeddings(shap
                              "-o", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "open_clip architecture tiny-clip" in result.stdout and "add_model_config" in result.stdout
+    # as readable as the json beside it (safetensors alone would leave it 0600)
+    assert stat.S_IMODE(output.stat().st_mode) == stat.S_IMODE((output.parent / "tiny-clip.json").stat().st_mode)
 
     averaged = tmp_path / "export" / "tiny-clip-ema.safetensors"
     result = subprocess.run([sys.executable, "scripts/export_openclip.py", str(run_dir / "checkpoints/step_00000020"),
