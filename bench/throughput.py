@@ -214,6 +214,11 @@ def e2e_shards(args, image_size: int) -> str:
     return args.e2e_shards or make_shards(args.shards_dir, args.samples, shard_pixels(args, image_size))
 
 
+def preset_shards(args) -> str:
+    """`e2e_shards` at the --model preset's image size: what train.py and OpenCLIP's loop read."""
+    return e2e_shards(args, compose_config([f"model={args.model}"]).model.vision.image_size)
+
+
 def check_warmup(cfg, warmup: int, device: torch.device) -> None:
     """With a recorded step (trainer.cuda_graph true, or auto on one GPU) the first WARMUP_STEPS steps run eagerly
     and the next one records the graph: timed steps must all be replays."""
@@ -310,8 +315,7 @@ def run_train_py(args) -> dict:
     performance flags, on the --end-to-end shards; its rate is what the training log reports (`train/samples_per_s`
     of metrics.jsonl: one figure per logging window, sync to sync), the median over the windows after the first
     half of the run (compilation, the graph's capture and the prefetched batches are in the first)."""
-    image_size = compose_config([f"model={args.model}"]).model.vision.image_size
-    shards = e2e_shards(args, image_size)
+    shards = preset_shards(args)
     with tempfile.TemporaryDirectory(prefix="train-py-") as run_dir:  # its checkpoint is a whole model's
         command = [sys.executable, "train.py", f"model={args.model}", *args.train_py_set.split(),
                    "data=laion_wds", f"data.shards={shards}", f"data.batch_size={args.batch}", "data.mode=resampled",
@@ -336,10 +340,9 @@ OPENCLIP_LOOP = os.path.join(ROOT, "bench", "peers", "openclip_train_loop.py")
 def run_openclip_loop(args) -> dict:
     """`--openclip-loop`: OpenCLIP's `open_clip_train.main` on the --end-to-end shards (bench/peers/
     openclip_train_loop.py, which says how its rate is read)."""
-    image_size = compose_config([f"model={args.model}"]).model.vision.image_size
     with tempfile.TemporaryDirectory(prefix="openclip-loop-") as directory:
         out = os.path.join(directory, "loop.json")
-        command = [sys.executable, OPENCLIP_LOOP, "--shards", e2e_shards(args, image_size),
+        command = [sys.executable, OPENCLIP_LOOP, "--shards", preset_shards(args),
                    "--samples", str(args.openclip_loop), "--batch", str(args.batch),
                    "--model", OPENCLIP_NAMES[args.model], "--device", args.device,
                    "--timeout", str(args.openclip_loop_timeout), "--json", out]

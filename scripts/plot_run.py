@@ -274,11 +274,11 @@ SEED_FIGURES = ("final_loss", "zeroshot_top1", "step_ms", "loss_spikes")
 def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
     """The runs grouped by configuration, trainer.seed and trainer.run_dir aside, in the order first seen; each
     group named by the settings in which the groups differ ("all" for one group)."""
-    groups: dict[tuple, list[Run]] = {}
+    groups: dict[tuple, tuple[dict[str, Any], list[Run]]] = {}
     for run in runs:
         setting = {k: v for k, v in run.config.items() if k not in SEED_KEYS}
-        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in setting.items())), []).append(run)
-    settings = [{k: v for k, v in members[0].config.items() if k not in SEED_KEYS} for members in groups.values()]
+        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in setting.items())), (setting, []))[1].append(run)
+    settings = [setting for setting, _ in groups.values()]
 
     def shown(setting: dict[str, Any], key: str) -> str:
         return str(setting[key]) if key in setting else "(unset)"
@@ -286,7 +286,7 @@ def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
     keys = sorted({k for setting in settings for k in setting})
     differ = [k for k in keys if len({shown(setting, k) for setting in settings}) > 1]
     return [(", ".join(f"{k}={shown(setting, k)}" for k in differ) or "all", members)
-            for setting, members in zip(settings, groups.values())]
+            for setting, members in groups.values()]
 
 
 def seed_summary(name: str, runs: list[Run]) -> dict[str, Any]:

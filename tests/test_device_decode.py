@@ -230,8 +230,15 @@ def test_auto_needs_triton_for_the_crop_kernels(monkeypatch):
     assert "Triton, which runs the crop kernels, is not installed" in device_decode.nvimgcodec_missing()
 
 
+def unset_cuda_queues(monkeypatch) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS unset, and put back as it was after the test even where the code sets it (a
+    bare delenv of an unset variable records nothing to undo)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
 def test_cuda_queues_are_widened_unless_the_environment_says_otherwise(monkeypatch):
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    unset_cuda_queues(monkeypatch)
     device_decode.widen_cuda_queues()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
@@ -253,18 +260,18 @@ def test_train_widens_the_cuda_queues_before_cuda_starts(monkeypatch, tmp_path):
         seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
         raise Started
 
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    unset_cuda_queues(monkeypatch)
     monkeypatch.setattr(run_module, "init_distributed", init_distributed)
     with pytest.raises(Started):
         run_module.run(compose_unresolved(["experiment=quickstart", f"trainer.run_dir={tmp_path}",
-                                                  "data.num_workers=0"]))
+                                           "data.num_workers=0"]))
     assert seen == ["32"]
 
 
 @pytest.mark.parametrize(("queues", "warns"), [("32", False), ("8", True), (None, True)])
 def test_the_gpu_decoder_warns_when_the_cuda_queues_are_few(monkeypatch, caplog, queues, warns):
     if queues is None:
-        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        unset_cuda_queues(monkeypatch)
     else:
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", queues)
     decoder = DeviceDecoder(torch.device("cuda", 0), SIZE)  # nothing touches the GPU until a batch comes
