@@ -335,8 +335,10 @@ def test_two_runs_generating_the_same_data_at_once_both_get_it_whole(tmp_path):
     assert [run.exitcode for run in runs] == [0, 0]  # without the lock, one replaced the other's shard under it
     assert json.loads((tmp_path / "train" / "sizes.json").read_text()) == {f"train-{i:06d}.tar": 100 for i in range(4)}
     assert (tmp_path / "eval" / "classes.json").is_file()
-    keys = [name for i in range(4) for name in tarfile.open(tmp_path / "train" / f"train-{i:06d}.tar").getnames()
-            if name.endswith(".jpg")]
+    keys = []
+    for i in range(4):
+        with tarfile.open(tmp_path / "train" / f"train-{i:06d}.tar") as tar:
+            keys += [name for name in tar.getnames() if name.endswith(".jpg")]
     assert len(keys) == len(set(keys)) == 400
     # Complete data is only read, no lock taken: it may sit in a directory the run cannot write to.
     (tmp_path / "eval" / ".generating.lock").unlink()
