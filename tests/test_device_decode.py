@@ -225,6 +225,27 @@ def test_the_decoder_falls_back_from_the_jpeg_engines_and_says_so(caplog):
         device_decode.open_decoder(FakeNvimgcodec({"HYBRID_CPU_GPU"}), 1)
 
 
+class ArrayInterface:
+    """A decoded image as nvImageCodec hands it over: only `__cuda_array_interface__`."""
+
+    def __init__(self, shape, typestr="|u1", strides=None, address=4096):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "strides": strides,
+                                         "data": (address, False), "version": 3}
+
+
+def test_a_decoded_images_address_is_read_only_where_the_crop_kernels_can_read_it():
+    image = torch.zeros(5, 7, 3, dtype=torch.uint8)
+    assert device_decode.decoded_address(image, 5, 7) == image.data_ptr()
+    assert device_decode.decoded_address(image, 7, 5) is None  # not the size its header gave
+    assert device_decode.decoded_address(image.transpose(0, 1).contiguous().transpose(0, 1), 5, 7) is None
+    assert device_decode.decoded_address(image.float(), 5, 7) is None
+    assert device_decode.decoded_address(ArrayInterface((5, 7, 3)), 5, 7) == 4096
+    assert device_decode.decoded_address(ArrayInterface((5, 7, 3), strides=(21, 3, 1)), 5, 7) == 4096
+    assert device_decode.decoded_address(ArrayInterface((5, 7, 3), strides=(32, 3, 1)), 5, 7) is None  # padded rows
+    assert device_decode.decoded_address(ArrayInterface((5, 7, 1)), 5, 7) is None  # greyscale
+    assert device_decode.decoded_address(ArrayInterface((5, 7, 3), typestr="<u2"), 5, 7) is None  # 16 bits
+
+
 def test_auto_needs_triton_for_the_crop_kernels(monkeypatch):
     monkeypatch.setattr(device_decode, "find_spec", lambda name: None if name == "triton" else object())
     assert "Triton, which runs the crop kernels, is not installed" in device_decode.nvimgcodec_missing()

@@ -25,11 +25,9 @@ def batch(sizes: list[tuple[int, int]], scale_min: float, seed: int = 0):
     torch.manual_seed(seed)
     images = [(torch.rand(h, w, 3) * 255).to(torch.uint8) for h, w in sizes]
     boxes = [random_resized_crop_box(w, h, rng, (scale_min, 1.0)) for h, w in sizes]
-    flat = torch.cat([image.flatten() for image in images])
-    numels = torch.tensor([image.numel() for image in images])
-    offsets = torch.cumsum(numels, 0) - numels
+    addresses = torch.tensor([image.data_ptr() for image in images], dtype=torch.int64)
     widths = torch.tensor([w for _, w in sizes])
-    return images, boxes, flat, offsets, widths
+    return images, boxes, addresses, widths
 
 
 @interpreted
@@ -39,8 +37,8 @@ def batch(sizes: list[tuple[int, int]], scale_min: float, seed: int = 0):
     ([(9, 11), (16, 16)], 0.5, 20),  # enlarging only (the filter's support is then 1)
 ])
 def test_crops_match_torchvisions_within_one_level(sizes, scale_min, size):
-    images, boxes, flat, offsets, widths = batch(sizes, scale_min)
-    got = resize_crops(flat, offsets, widths, torch.tensor(boxes, dtype=torch.int32), size)
+    images, boxes, addresses, widths = batch(sizes, scale_min)
+    got = resize_crops(addresses, widths, torch.tensor(boxes, dtype=torch.int32), size, torch.device("cpu"))
     want = resize_crops_reference(images, boxes, size)
     assert got.shape == want.shape == (len(sizes), 3, size, size) and got.dtype == torch.uint8
     # torchvision's uint8 path rounds between its passes; against its float resize the kernels round once.
@@ -52,6 +50,6 @@ def test_crops_match_torchvisions_within_one_level(sizes, scale_min, size):
 
 @interpreted
 def test_an_empty_batch():
-    out = resize_crops(torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64),
-                       torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4, dtype=torch.int32), 8)
+    out = resize_crops(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                       torch.zeros(0, 4, dtype=torch.int32), 8, torch.device("cpu"))
     assert out.shape == (0, 3, 8, 8)

@@ -178,9 +178,26 @@ def collate_for_device(items: list, in_worker: bool) -> dict[str, torch.Tensor]:
             "decoded_index": torch.tensor(index, dtype=torch.int64)}
 
 
-# (flat uint8 images, their offsets, their widths, (B, 4) boxes, size) -> (B, 3, size, size), as in
+# (the images' device addresses, their widths, (B, 4) boxes, size, device) -> (B, 3, size, size), as in
 # src/kernels/resized_crop.py
-ResizeCrops = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+ResizeCrops = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.device], torch.Tensor]
+# A decoded image: its address and what owns the memory there (an nvImageCodec image, or a tensor decoded on the host)
+Decoded = tuple[int, object]
+
+
+def decoded_address(image, height: int, width: int) -> int | None:
+    """The address of a decoded image that is a C-contiguous (height, width, 3) uint8 array, else None. `image`: a
+    tensor, or anything with `__cuda_array_interface__` (nvImageCodec's images), read without making a tensor of
+    it: a thousand tensors a batch cost a decode thread tens of milliseconds of the GIL."""
+    if isinstance(image, torch.Tensor):
+        ok = image.dtype == torch.uint8 and tuple(image.shape) == (height, width, 3) and image.is_contiguous()
+        return image.data_ptr() if ok else None
+    face = image.__cuda_array_interface__
+    strides = face.get("strides")
+    if (face["typestr"] != "|u1" or tuple(face["shape"]) != (height, width, 3)
+            or (strides is not None and tuple(strides) != (width * 3, 3, 1))):
+        return None
+    return face["data"][0]
 
 
 def resize_crops_reference(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]],
@@ -215,8 +232,8 @@ class DeviceDecoder:
     threads' wall time by phase (PhaseClock), summed over the batches, so a benchmark can say where a batch's time
     goes when the decoding sets the pace: "split" (the batch's bytes into JPEGs), "codestreams" (nvImageCodec
     parses the headers), "wait" (for the GPU to finish this thread's last batch, whose buffers this one reuses),
-    "decode", "tensors" (the decoded images as tensors, checked), "crop" (the crops resized), "place" (the batch
-    assembled)."""
+    "decode", "check" (each decoded image's shape checked and its address read), "crop" (the crops resized),
+    "place" (the batch assembled)."""
 
     def __init__(self, device: torch.device, size: int, threads: int = 2, resize_crops: ResizeCrops | None = None):
         # `resize_crops`: the batched kernels (src/kernels/resized_crop.py), which the caller passes in, as the data
@@ -245,6 +262,7 @@ class DeviceDecoder:
                                                         color_spec=nvimgcodec.ColorSpec.SRGB)
             self.local.stream = torch.cuda.Stream(self.device)
             self.local.images = []
+            self.local.held = []  # the last batch's decoded images, which its crops read
             self.local.codestream = nvimgcodec.CodeStream
         return self.local
 
@@ -264,20 +282,22 @@ class DeviceDecoder:
         return sum(self.phase_seconds.values())
 
     def _decode(self, chunks: list[np.ndarray], shapes: list[tuple[int, int]],
-                clock: PhaseClock) -> list[torch.Tensor | None]:
+                clock: PhaseClock) -> list[Decoded | None]:
+        """Each JPEG decoded on the device: its address and owner, or None where neither the GPU nor the host
+        could decode it."""
         if not self.on_gpu:
-            out = [self._decode_on_host(data, *shape) for data, shape in zip(chunks, shapes)]
+            images = [self._decode_on_host(data, *shape) for data, shape in zip(chunks, shapes)]
             clock.lap("decode")
-            return out
+            return [None if image is None else (image.data_ptr(), image) for image in images]
         state = self._state()
         streams = [state.codestream(data) for data in chunks]
         clock.lap("codestreams")
+        # The last batch's crops read its images on this stream: done before their buffers are written again or
+        # freed (a millisecond's wait of this thread, not of the training step).
+        state.stream.synchronize()
+        state.held = []
+        clock.lap("wait")
         reuse = state.images[: len(streams)] if len(state.images) >= len(streams) else None
-        if reuse:
-            # The last batch's crops read these buffers on this stream: done before they are written again (a
-            # millisecond's wait of this thread, not of the training step).
-            state.stream.synchronize()
-            clock.lap("wait")
         decoded = state.decoder.decode(streams, images=reuse, params=state.params,
                                        cuda_stream=state.stream.cuda_stream)
         if reuse is None and None not in decoded:
@@ -285,11 +305,12 @@ class DeviceDecoder:
         clock.lap("decode")
         out = []
         for image, data, (height, width) in zip(decoded, chunks, shapes):
-            tensor = None if image is None else torch.as_tensor(image, device=self.device)
-            if tensor is None or tuple(tensor.shape) != (height, width, 3):
-                tensor = self._decode_on_host(data, height, width)
-            out.append(tensor)
-        clock.lap("tensors")
+            address = None if image is None else decoded_address(image, height, width)
+            if address is None:
+                image = self._decode_on_host(data, height, width)
+                address = None if image is None else image.data_ptr()
+            out.append(None if address is None else (address, image))
+        clock.lap("check")
         return out
 
     def _run(self, batch: dict) -> tuple[dict, list[int], torch.cuda.Event | None, dict[str, float]]:
@@ -317,13 +338,14 @@ class DeviceDecoder:
                 index = [i for i, _ in good]
                 boxes = [rows[i][:4] for i in index]
                 if self.resize_crops is None:
-                    crops = resize_crops_reference([p for _, p in good], boxes, self.size)
+                    owners = [owner for _, (_, owner) in good]
+                    crops = resize_crops_reference([o if isinstance(o, torch.Tensor) else torch.as_tensor(
+                        o, device=self.device) for o in owners], boxes, self.size)
                 else:
-                    sizes = torch.tensor([p.numel() for _, p in good], dtype=torch.int64)
-                    pixels = torch.cat([p.view(-1) for _, p in good])
-                    crops = self.resize_crops(pixels, torch.cumsum(sizes, 0) - sizes,
+                    self.local.held = [owner for _, (_, owner) in good]  # alive until the kernels have read them
+                    crops = self.resize_crops(torch.tensor([address for _, (address, _) in good], dtype=torch.int64),
                                               torch.tensor([rows[i][5] for i in index]),
-                                              torch.tensor(boxes, dtype=torch.int32), self.size)
+                                              torch.tensor(boxes, dtype=torch.int32), self.size, self.device)
                 clock.lap("crop")
                 if len(index) == len(lengths):
                     images = crops

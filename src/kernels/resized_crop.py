@@ -1,7 +1,9 @@
 """Random resized crops of a batch of decoded images of any sizes, in two Triton kernels.
 
-Images decoded on the GPU (`data.decode_on=device`, src/data/device_decode.py) arrive as one flat uint8 buffer of
-(H, W, 3) images, each of its own size, and a crop box (top, left, height, width) each. torchvision resizes one
+Images decoded on the GPU (`data.decode_on=device`, src/data/device_decode.py) arrive as (H, W, 3) uint8 images,
+each of its own size in a buffer of its own (the decoder's), and a crop box (top, left, height, width) each. The
+kernels take a table of the images' addresses, so the decoder's buffers are read where they are: no copy of the
+batch's pixels into one buffer, and no tensor made for each image on the host. torchvision resizes one
 image per call: a thousand calls a batch cost the host about 0.1 ms each. Here every crop of the batch is resized
 in two launches, with the filter of torchvision's antialiased bilinear resize (`TF.resized_crop(...,
 antialias=True)`, the workers' path): a triangle as wide as the scale factor, its taps clamped to the crop, the
@@ -39,7 +41,7 @@ if triton is not None:
         return first, last, 1.0 / support
 
     @triton.jit
-    def _columns_kernel(src, offsets, widths, boxes, mid, mid_offsets, size, COLUMNS: tl.constexpr):
+    def _columns_kernel(addresses, widths, boxes, mid, mid_offsets, size, COLUMNS: tl.constexpr):
         """mid[b] (size, crop width, 3) float16: image b's crop, its columns resized to `size` rows."""
         b, row, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         top, left = tl.load(boxes + 4 * b), tl.load(boxes + 4 * b + 1)
@@ -50,7 +52,7 @@ if triton is not None:
             scale = height.to(tl.float32) / size
             center = scale * (row + 0.5)
             first, last, inverse = _taps(center, scale, height)
-            image = src + tl.load(offsets + b) + (top * tl.load(widths + b) + left) * 3
+            image = tl.load(addresses + b).to(tl.pointer_type(tl.uint8)) + (top * tl.load(widths + b) + left) * 3
             acc = tl.zeros([COLUMNS], dtype=tl.float32)
             total = scale * 0.0
             for y in range(first, last):
@@ -91,13 +93,15 @@ if triton is not None:
                  mask=inside)
 
 
-def resize_crops(flat: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor, boxes: torch.Tensor,
-                 size: int) -> torch.Tensor:
-    """(B, 3, size, size) uint8 crops of the images in `flat`, a uint8 buffer on the device in which image b is
-    (H_b, W_b, 3) starting at offsets[b], with widths[b] = W_b; boxes (B, 4) (top, left, height, width) inside each
-    image. offsets, widths and boxes are host tensors (the loader's). A Triton kernel's job: on the CPU,
-    src/data/device_decode.py's `resize_crops_reference` does it with torchvision."""
-    count, device = len(boxes), flat.device
+def resize_crops(addresses: torch.Tensor, widths: torch.Tensor, boxes: torch.Tensor, size: int,
+                 device: torch.device) -> torch.Tensor:
+    """(B, 3, size, size) uint8 crops, on `device`, of B images there: image b is a C-contiguous (H_b, W_b, 3) uint8
+    array at address addresses[b] (its first byte, as `Tensor.data_ptr()` or `__cuda_array_interface__` give it),
+    with widths[b] = W_b; boxes (B, 4) (top, left, height, width) inside each image. addresses, widths and boxes
+    are host tensors (the loader's). The caller keeps the images alive until the kernels have read them (queued
+    work on the current stream). A Triton kernel's job: on the CPU, src/data/device_decode.py's
+    `resize_crops_reference` does it with torchvision."""
+    count = len(boxes)
     out = torch.empty(count, 3, size, size, dtype=torch.uint8, device=device)
     if count == 0:
         return out
@@ -107,14 +111,14 @@ def resize_crops(flat: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor
     mid_offsets[1:] = torch.cumsum(crop_widths * 3 * size, 0)[:-1]
     mid = torch.empty(int(crop_widths.sum()) * 3 * size, dtype=torch.float16, device=device)
     # One copy to the device for the four small tables.
-    tables = torch.cat([offsets.to(torch.int64), widths.to(torch.int64), mid_offsets, boxes.flatten()])
+    tables = torch.cat([addresses.to(torch.int64), widths.to(torch.int64), mid_offsets, boxes.flatten()])
     tables = tables.to(device, non_blocking=True)
-    offsets_d, widths_d, mid_offsets_d = tables[:count], tables[count : 2 * count], tables[2 * count : 3 * count]
+    addresses_d, widths_d, mid_offsets_d = tables[:count], tables[count : 2 * count], tables[2 * count : 3 * count]
     boxes_d = tables[3 * count :]
     widest = int(crop_widths.max())
     max_taps = int(2 * max(widest / size, 1.0)) + 3  # covers last - first at any position (see _taps)
     _columns_kernel[(count, size, triton.cdiv(widest * 3, COLUMNS))](
-        flat, offsets_d, widths_d, boxes_d, mid, mid_offsets_d, size, COLUMNS=COLUMNS)
+        addresses_d, widths_d, boxes_d, mid, mid_offsets_d, size, COLUMNS=COLUMNS)
     _rows_kernel[(count, size, triton.cdiv(size, PIXELS))](
         mid, mid_offsets_d, boxes_d, out, size, max_taps, PIXELS=PIXELS)
     return out
