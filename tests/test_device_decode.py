@@ -183,6 +183,26 @@ def test_close_ends_the_decode_threads_and_the_next_batch_continues_exactly(shap
     loader.close()
 
 
+class CountingDecoder(DeviceDecoder):
+    """A CPU DeviceDecoder that counts the batches submitted to it."""
+
+    submitted = 0
+
+    def submit(self, batch: dict):
+        self.submitted += 1
+        return super().submit(batch)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_loader_keeps_one_batch_more_than_the_threads_submitted(shapes, threads):
+    decoder = CountingDecoder(CPU, SIZE, threads=threads)
+    got, loader = batches(shapes["shards"], decoder, 0, count=1)
+    assert decoder.submitted == 1 + threads  # the batch returned, and a thread's worth ahead of it with one waiting
+    next(loader)
+    assert decoder.submitted == 2 + threads
+    loader.close()
+
+
 def test_fit_ends_the_decode_threads_however_it_ends(shapes, tmp_path):
     before = new_decode_threads(set())
     trainer = small_trainer(shapes, tmp_path / "run", "data.decode_on=device", "trainer.max_steps=2")

@@ -366,6 +366,14 @@ class DeviceDecoder:
         clock.lap("place")
         return batch, failed, event, clock.seconds
 
+    @property
+    def depth(self) -> int:
+        """Batches a loader keeps submitted: one more than the threads, so that a thread that finishes a batch
+        starts the next at once. With only as many as the threads, the next batch is submitted when the training
+        loop asks for one, after its wait for the oldest, and each pair of batches costs the loop's time between
+        two asks on top of a thread's decoding."""
+        return self.threads + 1
+
     def submit(self, batch: dict) -> concurrent.futures.Future:
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="decode")

@@ -314,7 +314,7 @@ class TrainLoader:
             batch = next(self._iterator)
             state = batch.pop("reader")
         else:  # the decoder's threads work on the next batches meanwhile; the position is the returned batch's
-            while len(self._decoding) < self.decoder.threads:
+            while len(self._decoding) < self.decoder.depth:
                 raw = next(self._iterator)
                 self._decoding.append((raw.pop("reader"), self.decoder.submit(raw)))
             state, future = self._decoding.popleft()
