@@ -5,6 +5,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_with_stacks
@@ -20,12 +22,17 @@ def test_throughput_bench_smoke_run(tmp_path):
                "--shards-dir", str(tmp_path / "shards"), "--json", str(out), "--train-py", "4",
                "--e2e-image-px", "40",
                "--set", "trainer.log_every=1 py:src.kernels.residual_norm.ROWS=16"]
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    result = run_with_stacks(command, cwd=ROOT, timeout=300,
-                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "TMPDIR": str(scratch)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert not any(p.name.startswith(("throughput-", "train-py-")) for p in scratch.iterdir())  # nothing left behind
+    # Not under tmp_path, whose depth grows with pytest's run count: the loader's workers need a short TMPDIR
+    # (src/data/processes.py, check_worker_temp_dir).
+    scratch = Path(tempfile.mkdtemp(prefix="tp-"))
+    try:
+        result = run_with_stacks(command, cwd=ROOT, timeout=300,
+                                 env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "TMPDIR": str(scratch)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        left = [p.name for p in scratch.iterdir() if p.name.startswith(("throughput-", "train-py-"))]
+        assert not left  # nothing left behind
+    finally:
+        shutil.rmtree(scratch)
     *rows, train_py = json.loads(out.read_text())["rows"]
     assert [row["end_to_end"] for row in rows] == [False, True] and rows[1]["shard_px"] == 40
     assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)

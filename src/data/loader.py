@@ -37,7 +37,7 @@ from src.config import DataConfig, DataMode
 from src.data.device_crop import decode_for_device
 from src.data.device_decode import DeviceDecoder, collate_for_device, jpeg_for_device
 from src.data.image_text import OversizedImage, Preprocess, decode_image, image_bytes
-from src.data.processes import shield_worker, start_workers
+from src.data.processes import check_worker_temp_dir, shield_worker, start_workers
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
 from src.data.shards import check_pipe_allowed, expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import TooFewFrames, decode_clip
@@ -293,6 +293,7 @@ class TrainLoader:
             role_offset=self.batches % len(self.positions), bad_counts=list(self.bad), **self.kwargs,
         )
         workers = self.cfg.num_workers
+        check_worker_temp_dir(workers)
         # Its own generator: otherwise starting the workers draws from the global RNG, and a resumed run
         # (which starts them later) would see different patch-dropout draws than an uninterrupted one.
         loader = DataLoader(
@@ -510,6 +511,7 @@ def eval_loader(units: list[EvalUnit], *, folder: bool, captions: bool, batch_si
     stream = EvalStream(units, folder=folder, captions=captions, batch_size=batch_size, image_size=image_size,
                         context_length=context_length, frames=frames, max_image_pixels=max_image_pixels,
                         retries=retries, preprocess=preprocess)
+    check_worker_temp_dir(num_workers)
     loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(units)),
                         worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()))
     return EvalBatches(loader)

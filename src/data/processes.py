@@ -14,9 +14,12 @@ import functools
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+
+import torch.multiprocessing
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -32,6 +35,28 @@ PARENT_CHECK_S = 1.0
 SUPERVISED_COMMAND = 'trap "kill -KILL 0" HUP; eval "$1" & wait $!'
 # A command that has not exited this long after its output was read or closed is killed (its status is unknown).
 EXIT_GRACE_S = 5.0
+
+
+# A worker hands each batch's shared memory to the training process through a Unix socket made under the temporary
+# directory (torch's file_descriptor sharing strategy, by multiprocessing's resource sharer:
+# TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX). A socket's path holds at most 107 bytes; past it every batch fails to
+# send, in a thread of the worker, and the training process waits for it for ever.
+SOCKET_PATH_MAX = 107
+SOCKET_PATH_UNDER_TEMP = len("/pymp-12345678/listener-12345678")
+
+
+def check_worker_temp_dir(num_workers: int) -> None:
+    """Refuses worker processes whose batches could not reach the training process: a temporary directory too
+    long for the socket the batches' shared memory travels through."""
+    if not num_workers or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    temp = tempfile.gettempdir()
+    longest = SOCKET_PATH_MAX - SOCKET_PATH_UNDER_TEMP
+    if len(os.fsencode(temp)) > longest:
+        raise ValueError(
+            f"the temporary directory {temp!r} is {len(os.fsencode(temp))} bytes long: the loader's worker processes "
+            f"pass batches through a Unix socket under it, whose path may be {SOCKET_PATH_MAX} bytes, so the "
+            f"directory may be at most {longest}: set TMPDIR to a shorter one (say /tmp), or data.num_workers=0")
 
 
 def die_with_parent(sig: int) -> None:

@@ -25,6 +25,7 @@ from src.config import DataConfig, LoggerConfig, ModelConfig, TrainConfig, unkno
 from src.data.device_crop import device_path_blocker, resolve_resize_on
 from src.data.device_decode import nvimgcodec_missing, resolve_decode_on
 from src.data.loader import PREFETCH_FACTOR, check_batch_size, image_folder, loader_shared_memory, resolve_sources
+from src.data.processes import check_worker_temp_dir
 from src.data.shards import check_pipe_allowed, expand_shards, is_local
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
@@ -385,6 +386,7 @@ def preflight(cfg: TrainConfig, dist_info: DistInfo, run_dir: str) -> None:
         lambda: check_resize_on(cfg.data),
         lambda: check_decode_on(cfg.data, dist_info.device),
         lambda: check_loader_shared_memory(cfg, dist_info),
+        lambda: check_worker_temp_dir(cfg.data.num_workers),
         lambda: model.linear == "standard" or check_linear_choice(model.linear, model.linear_backend, dist_info.device),
         # `auto` records only where a recording works (src/trainer/fast_path.py): only `true` can be refused.
         lambda: cfg.trainer.cuda_graph is not True or check_cuda_graph(dist_info.device, dist_info.world_size,
