@@ -338,9 +338,9 @@ class DeviceDecoder:
                 index = [i for i, _ in good]
                 boxes = [rows[i][:4] for i in index]
                 if self.resize_crops is None:
-                    owners = [owner for _, (_, owner) in good]
-                    crops = resize_crops_reference([o if isinstance(o, torch.Tensor) else torch.as_tensor(
-                        o, device=self.device) for o in owners], boxes, self.size)
+                    images_hwc = [o if isinstance(o, torch.Tensor) else torch.as_tensor(o, device=self.device)
+                                  for _, (_, o) in good]
+                    crops = resize_crops_reference(images_hwc, boxes, self.size)
                 else:
                     self.local.held = [owner for _, (_, owner) in good]  # alive until the kernels have read them
                     crops = self.resize_crops(torch.tensor([address for _, (address, _) in good], dtype=torch.int64),

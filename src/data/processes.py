@@ -51,10 +51,10 @@ def check_worker_temp_dir(num_workers: int) -> None:
     if not num_workers or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return
     temp = tempfile.gettempdir()
-    longest = SOCKET_PATH_MAX - SOCKET_PATH_UNDER_TEMP
-    if len(os.fsencode(temp)) > longest:
+    length, longest = len(os.fsencode(temp)), SOCKET_PATH_MAX - SOCKET_PATH_UNDER_TEMP
+    if length > longest:
         raise ValueError(
-            f"the temporary directory {temp!r} is {len(os.fsencode(temp))} bytes long: the loader's worker processes "
+            f"the temporary directory {temp!r} is {length} bytes long: the loader's worker processes "
             f"pass batches through a Unix socket under it, whose path may be {SOCKET_PATH_MAX} bytes, so the "
             f"directory may be at most {longest}: set TMPDIR to a shorter one (say /tmp), or data.num_workers=0")
 
