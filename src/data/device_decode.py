@@ -167,7 +167,8 @@ def jpeg_for_device(sample: dict, size: int, rng, scale_min: float, max_pixels: 
 def collate_for_device(items: list, in_worker: bool) -> dict[str, torch.Tensor]:
     """A batch of `jpeg_for_device` results: "jpeg_bytes" (all JPEGs end to end), "jpeg_lengths" (B,), "jpeg_meta"
     (B, 6; a decoded image's row is zeros) and the crops decoded in the worker, "decoded" (K, 3, S, S) at
-    "decoded_index" (K,). In a worker the bytes go straight to shared memory, as default_collate's tensors do."""
+    "decoded_index" (K,). In a worker the bytes and the crops go straight to shared memory, as default_collate's
+    tensors do."""
     jpegs = [item if isinstance(item, tuple) else None for item in items]
     lengths = torch.tensor([0 if j is None else len(j[0]) for j in jpegs], dtype=torch.int64)
     flat = torch.empty(int(lengths.sum()), dtype=torch.uint8)
@@ -176,7 +177,12 @@ def collate_for_device(items: list, in_worker: bool) -> dict[str, torch.Tensor]:
     torch.cat([j[0] for j in jpegs if j is not None] or [flat[:0]], out=flat)
     meta = torch.stack([torch.zeros(6, dtype=torch.int32) if j is None else j[1] for j in jpegs])
     index = [i for i, j in enumerate(jpegs) if j is None]
-    decoded = torch.stack([items[i] for i in index]) if index else torch.zeros(0, dtype=torch.uint8)
+    decoded = torch.zeros(0, dtype=torch.uint8)
+    if index:
+        decoded = torch.empty(len(index), *items[index[0]].shape, dtype=torch.uint8)
+        if in_worker:
+            decoded.share_memory_()
+        torch.stack([items[i] for i in index], out=decoded)
     return {"jpeg_bytes": flat, "jpeg_lengths": lengths, "jpeg_meta": meta, "decoded": decoded,
             "decoded_index": torch.tensor(index, dtype=torch.int64)}
 
