@@ -163,9 +163,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
         loader = TrainLoader(
             cfg.data, image_size=image_size, context_length=cfg.model.text.context_length,
             seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
-            # Not where the device decodes: a batch is then mostly JPEG bytes (about 100 MB for 1,024 photographs),
-            # which nvImageCodec reads from any host memory, and pinning copies them all once more in this process.
-            pin_memory=device.type == "cuda" and not on_device, canvas=canvas,
+            pin_memory=device.type == "cuda", canvas=canvas,
             decoder=device_decoder(cfg, device) if on_device else None,
         )
     normalize = image_normalizer(cfg, device)
