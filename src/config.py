@@ -282,7 +282,6 @@ class DataConfig:
     resize_on: ResizeOn
     decode_on: DecodeOn
     decode_threads: int
-    host_decode_share: float
     device_resize_max_side: int | None
     color_jitter: float
     color_jitter_prob: float

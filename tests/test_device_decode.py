@@ -57,9 +57,8 @@ def write_shards(directory, images: list[tuple[str, bytes]], shards: int = 2) ->
     return str(directory / f"s-{{0..{shards - 1}}}.tar")
 
 
-def batches(pattern: str, decoder: DeviceDecoder | None, workers: int, count: int = 2, batch: int = 8,
-            **cfg_overrides) -> list:
-    cfg = data_config(pattern, batch, workers, shuffle_buffer=10, **cfg_overrides)
+def batches(pattern: str, decoder: DeviceDecoder | None, workers: int, count: int = 2, batch: int = 8) -> list:
+    cfg = data_config(pattern, batch, workers, shuffle_buffer=10)
     loader = TrainLoader(cfg, image_size=SIZE, context_length=8, seed=3, decoder=decoder)
     out = [next(loader) for _ in range(count)]
     return out, loader
@@ -98,32 +97,6 @@ def test_large_jpegs_keep_the_workers_crop_regions(tmp_path, monkeypatch):
               for run in (want, got, naive)]
     aligned, other = (coarse[0] - coarse[1]).abs().mean(), (coarse[0] - coarse[2]).abs().mean()
     assert aligned < 3.0 and other > 2 * aligned, (aligned, other)
-
-
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_host_decode_share_decodes_each_batchs_first_jpegs_in_the_workers_and_keeps_the_rest(tmp_path, workers):
-    """`data.host_decode_share`: the first share of each batch's JPEGs come exactly as the workers' path makes them,
-    the others exactly as the device makes them; the samples, their order and the resume position do not move.
-    (JPEGs large enough that the two paths' pixels differ, so each image shows which path made it.)"""
-    rng = random.Random(2)
-    pattern = write_shards(tmp_path / "large", [("jpg", jpeg(rng.randint(64, 200), rng.randint(64, 200)))
-                                                for _ in range(40)])
-    workers_path, _ = batches(pattern, None, workers, count=3)
-    device_path, _ = batches(pattern, DeviceDecoder(CPU, SIZE), workers, count=3)
-    mixed, loader = batches(pattern, DeviceDecoder(CPU, SIZE), workers, count=3, host_decode_share=0.375)
-    for want, device, got in zip(workers_path, device_path, mixed):
-        assert want["keys"] == device["keys"] == got["keys"] and torch.equal(want["tokens"], got["tokens"])
-        assert want["position"] == device["position"] == got["position"]
-        assert torch.equal(got["images"][:3], want["images"][:3])
-        assert torch.equal(got["images"][3:], device["images"][3:])
-        assert not torch.equal(want["images"][3:], device["images"][3:])
-    # and the rest of the run resumes where this one left off, as without the share
-    state = loader.state_dict()
-    resumed = TrainLoader(data_config(pattern, 8, workers, shuffle_buffer=10, host_decode_share=0.375),
-                          image_size=SIZE, context_length=8, seed=3, decoder=DeviceDecoder(CPU, SIZE))
-    resumed.load_state_dict(state)
-    onward, _ = batches(pattern, DeviceDecoder(CPU, SIZE), workers, count=4, host_decode_share=0.375)
-    assert next(resumed)["keys"] == onward[3]["keys"]
 
 
 @pytest.mark.parametrize(("width", "height"), [(63, 200), (64, 64), (130, 97), (257, 511), (300, 70), (1000, 600)])
@@ -168,8 +141,6 @@ def test_auto_decodes_on_a_gpu_with_nvimgcodec_and_says_why_not(monkeypatch):
                                                    "engines on cpu)")
     assert resolve_decode_on(replace(data, decode_on="device"), CPU)[0]
     assert not resolve_decode_on(replace(data, decode_on="workers"), CUDA)[0]
-    assert resolve_decode_on(replace(data, host_decode_share=0.25), CUDA)[1].endswith(
-        "other images and the first 25% of each batch's JPEGs in the workers")
     on, line = resolve_decode_on(replace(data, grayscale_prob=0.1), CUDA)
     assert not on and "grayscale run in the workers" in line
     monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: "nvImageCodec is not installed (pip ...)")

@@ -11,9 +11,7 @@ as the workers' path, and ships the undecoded bytes with the box (`jpeg_for_devi
 training process decodes the batch (`DeviceDecoder`: nvImageCodec on a side stream) and resizes every crop in two
 Triton kernels (src/kernels/resized_crop.py, torchvision's antialiased bilinear filter). Images that are not
 plain 8-bit JPEGs by their header (PNG, WebP, 12-bit JPEGs, ...) are decoded and cropped in the worker as before and
-travel beside the bytes. So do the first `data.host_decode_share` of each batch's JPEGs: shipping bytes leaves the
-workers' cores mostly idle, and decoding part of the batch there takes that part off the JPEG engines, which beside
-the training step decode a batch of photographs in about twice the step's time a thread.
+travel beside the bytes.
 
 What stays the same: the samples, their order, the resume position and the crop boxes. For a JPEG at least twice
 the crop size the workers' path decodes at 1/2, 1/4 or 1/8 scale (PIL's `draft`) and draws the box in those
@@ -126,9 +124,8 @@ def resolve_decode_on(cfg: DataConfig, device: torch.device) -> tuple[bool, str]
             return False, f"data: training images decoded in the workers (auto: {missing})"
     how = "nvImageCodec" if device.type == "cuda" else "torchvision, the reference path"
     why = " (auto: on a GPU)" if str(cfg.decode_on) == AUTO else ""
-    share = f" and the first {cfg.host_decode_share:.0%} of each batch's JPEGs" if cfg.host_decode_share else ""
-    return True, (f"data: training JPEGs decoded and cropped on the {device.type} ({how}){why}, other images"
-                  f"{share} in the workers")
+    return True, (f"data: training JPEGs decoded and cropped on the {device.type} ({how}){why}, other images in "
+                  "the workers")
 
 
 def draft_scale(width: int, height: int, size: int) -> int:
@@ -149,13 +146,13 @@ def workers_crop_box(width: int, height: int, size: int, rng, scale_min: float) 
     return top, left, min(h * s, height - top), min(w * s, width - left)
 
 
-def jpeg_for_device(sample: dict, size: int, rng, scale_min: float, max_pixels: int | None, preprocess: Preprocess,
-                    decode_here: bool = False) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+def jpeg_for_device(sample: dict, size: int, rng, scale_min: float, max_pixels: int | None,
+                    preprocess: Preprocess) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """A training image sample for the device to decode: (its JPEG bytes as uint8, int32 [top, left, height,
-    width, image height, image width]); or, with `decode_here` (`data.host_decode_share`) or for an image that is
-    not a plain JPEG by its header, its (3, size, size) crop, decoded here as the workers' path does."""
+    width, image height, image width]); or, for an image that is not a plain JPEG by its header, its (3, size,
+    size) crop, decoded here as the workers' path does."""
     data = image_bytes(sample)
-    frame = None if decode_here else jpeg_size(data)
+    frame = jpeg_size(data)
     if frame is None:
         return decode_image(data, size, rng, scale_min, max_pixels, preprocess=preprocess)
     width, height = frame

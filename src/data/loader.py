@@ -98,17 +98,15 @@ def decode_caption(sample: dict, bad: BadData) -> str | None:
 def decode_sample_pixels(
     sample: dict, bad: BadData, *, frames: int, size: int, rng: random.Random | None, scale_min: float,
     max_pixels: int | None, flip: bool, preprocess: Preprocess, canvas: int = 0, device_decode: bool = False,
-    decode_here: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """`decode_pixels` (with `canvas`, a training image's canvas and crop box for the device to resize:
-    `decode_for_device`; with `device_decode`, its JPEG and crop box for the device to decode, or with
-    `decode_here` too its crop decoded here: `jpeg_for_device`), or None for a sample to skip, counted by reason
-    (`missing_image`, `oversized_image`, `corrupt_image`): the one decision of what bad data is, for training and
-    evaluation alike."""
+    `decode_for_device`; with `device_decode`, its JPEG and crop box for the device to decode: `jpeg_for_device`),
+    or None for a sample to skip, counted by reason (`missing_image`, `oversized_image`, `corrupt_image`): the one
+    decision of what bad data is, for training and evaluation alike."""
     url = sample["__url__"]
     try:
         if device_decode:
-            return jpeg_for_device(sample, size, rng, scale_min, max_pixels, preprocess, decode_here)
+            return jpeg_for_device(sample, size, rng, scale_min, max_pixels, preprocess)
         if canvas:
             return decode_for_device(sample, size, rng, scale_min, max_pixels, canvas, preprocess)
         return decode_pixels(sample, frames, size, rng, scale_min, max_pixels, flip, preprocess=preprocess)
@@ -185,8 +183,6 @@ class TrainStream(IterableDataset):
     ):
         self.sources, self.weights, self.cfg, self.canvas = sources, weights, cfg, canvas
         self.device_decode = device_decode
-        # With the device decoding, the first JPEGs of each batch that the workers decode themselves
-        self.host_decodes = round(cfg.host_decode_share * batch_size) if device_decode else 0
         self.batch_size, self.image_size, self.context_length = batch_size, image_size, context_length
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.positions, self.role_offset, self.bad_counts = positions, role_offset, bad_counts
@@ -209,7 +205,7 @@ class TrainStream(IterableDataset):
         return Reader(shards_of_epoch, quota=quota, buffer_size=self.cfg.shuffle_buffer,
                       rng_seed=f"buffer-{self.seed}-{reader_id}", bad=bad, retries=self.cfg.shard_retries)
 
-    def _decode(self, sample: dict, epoch: int, bad: BadData, decode_here: bool) -> tuple[torch.Tensor, str] | None:
+    def _decode(self, sample: dict, epoch: int, bad: BadData) -> tuple[torch.Tensor, str] | None:
         caption = decode_caption(sample, bad)
         if caption is None:
             return None
@@ -217,7 +213,7 @@ class TrainStream(IterableDataset):
         pixels = decode_sample_pixels(sample, bad, frames=self.cfg.frames, size=self.image_size, rng=rng,
                                       scale_min=self.cfg.crop_scale_min, max_pixels=self.cfg.max_image_pixels,
                                       flip=self.cfg.hflip, preprocess=self.preprocess, canvas=self.canvas,
-                                      device_decode=self.device_decode, decode_here=decode_here)
+                                      device_decode=self.device_decode)
         return None if pixels is None else (pixels, caption)
 
     def __iter__(self) -> Iterator[dict]:
@@ -231,7 +227,7 @@ class TrainStream(IterableDataset):
         saved = self.positions[role]
         images, captions, keys = [], [], []
         for sample in reader.samples(Position.from_state(saved) if saved else Position()):
-            decoded = self._decode(sample, reader.epoch, bad, decode_here=len(images) < self.host_decodes)
+            decoded = self._decode(sample, reader.epoch, bad)
             if decoded is None:
                 continue
             images.append(decoded[0])

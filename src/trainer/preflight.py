@@ -96,7 +96,6 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "three finite numbers above 0 (R, G, B)"),
     ("data.device_resize_max_side", lambda v: v is None or v >= 1, "at least 1 (or null: 8/7 of the image size)"),
     ("data.decode_threads", lambda v: v >= 1, "at least 1"),
-    ("data.host_decode_share", lambda v: 0 <= v <= 1, "in [0, 1] (0: the device decodes every JPEG)"),
     ("data.color_jitter", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("data.color_jitter_prob", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("data.grayscale_prob", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
