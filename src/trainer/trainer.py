@@ -163,6 +163,8 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
         loader = TrainLoader(
             cfg.data, image_size=image_size, context_length=cfg.model.text.context_length,
             seed=cfg.trainer.seed, rank=dist_info.rank, world_size=dist_info.world_size,
+            # Pinned where the device decodes too: nvImageCodec took 66 ms a batch of 1,024 photographs to read
+            # their code streams from pageable memory against 14 ms pinned, and the whole step lost a fifth.
             pin_memory=device.type == "cuda", canvas=canvas,
             decoder=device_decoder(cfg, device) if on_device else None,
         )
