@@ -17,7 +17,9 @@ has filled CUDA's launch queue and waits on it, which a profile's timeline tells
 (`optimizer_state_gib`), TFLOP/s from `FlopCounterMode` (counted on a meta-device copy of the model, so compilation
 does not hide any op) and their share of a bf16 matmul measured in the same run, peak memory (with preflight's
 estimate beside it, `estimate_gib`: src/trainer/memory.py), and the caching allocator's flush-and-retry count
-(`alloc_retries`, each a wait for the GPU); end to end with `data.decode_on=device`, a decode thread's wall time
+(`alloc_retries`, each a wait for the GPU); end to end, the window's rate over each third of it
+(`window_parts_samples_per_s`: whether the rate held, or a stall or a start-up stretch moved it), and with
+`data.decode_on=device` a decode thread's wall time
 per batch (`decode_ms`: near `data.decode_threads` x `step_ms`, the decoding sets the pace) and its phases
 (`decode_phase_ms`: `DeviceDecoder`'s docstring names them). With a recorded
 step (`trainer.cuda_graph`, on by `auto` on one GPU) only replays of the recorded step are timed (`--warmup` must
@@ -138,7 +140,13 @@ def median_seconds_and_host(fn, iters: int, warmup: int, device: torch.device) -
     return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
 
 
-def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -> tuple[float, float, float]:
+WINDOW_PARTS = 3  # --end-to-end: the window's rate is also given over this many consecutive parts of it
+
+
+def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool,
+               ) -> tuple[float, float, float, list[float]]:
+    """Seconds a step: the median, its host part, the pipelined mean; with `end_to_end` the median is raised to
+    the window's mean if slower, and the window's parts' seconds a step come last (else an empty list)."""
     def step():
         trainer.train_step(next(trainer.loader))
 
@@ -153,13 +161,19 @@ def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool) -
         while time.perf_counter() - start < args.e2e_warmup_seconds:
             step()
         synchronize(device)
-        start, steps = time.perf_counter(), 0
-        while steps < args.steps or time.perf_counter() - start < args.e2e_seconds:
+        # Each step's end on the host: the next batch is asked for there, so with the loader setting the pace the
+        # host keeps near the GPU, and the parts show whether the rate held over the window or moved within it.
+        ends = [time.perf_counter()]
+        while len(ends) <= args.steps or ends[-1] - ends[0] < args.e2e_seconds:
             step()
-            steps += 1
+            ends.append(time.perf_counter())
         synchronize(device)
-        seconds = max(seconds, (time.perf_counter() - start) / steps)
-    return seconds, host_seconds, pipelined
+        ends[-1] = time.perf_counter()
+        steps = len(ends) - 1
+        seconds = max(seconds, (ends[-1] - ends[0]) / steps)
+        cuts = [round(i * steps / min(WINDOW_PARTS, steps)) for i in range(min(WINDOW_PARTS, steps) + 1)]
+        return seconds, host_seconds, pipelined, [(ends[b] - ends[a]) / (b - a) for a, b in zip(cuts, cuts[1:])]
+    return seconds, host_seconds, pipelined, []
 
 
 def pipelined_seconds(step, steps: int, device: torch.device) -> float:
@@ -257,7 +271,7 @@ def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceili
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
-    seconds, host_seconds, pipelined = time_steps(trainer, args, device, end_to_end)
+    seconds, host_seconds, pipelined, parts = time_steps(trainer, args, device, end_to_end)
     if args.profile:
         print_profile(trainer, args.profile, device, trace, args.profile_gpu_only)
     flops = step_flops(cfg)
@@ -282,6 +296,8 @@ def measure_in(run_dir: str, args, overrides: list[str], end_to_end: bool, ceili
     }
     if ceiling:
         result["share_of_matmul_ceiling"] = result["tflops"] / ceiling
+    if parts:
+        result["window_parts_samples_per_s"] = [args.batch / part for part in parts]
     decoder = getattr(trainer.loader, "decoder", None)
     if decoder is not None:  # data.decode_on=device: a decode thread's wall time per batch, and by phase
         batches = max(1, decoder.batches)

@@ -36,6 +36,8 @@ def test_throughput_bench_smoke_run(tmp_path):
     *rows, train_py = json.loads(out.read_text())["rows"]
     assert [row["end_to_end"] for row in rows] == [False, True] and rows[1]["shard_px"] == 40
     assert all(row["overrides"] == ["trainer.log_every=1", "py:src.kernels.residual_norm.ROWS=16"] for row in rows)
+    # End to end, the window (--steps 2, no time) in as many parts as it has steps, up to three
+    assert len(rows[1]["window_parts_samples_per_s"]) == 2
     for row in rows:
         assert row["samples_per_s"] > 0 and row["tflops"] > 0 and row["step_ms"] > 0
         assert row["pipelined_samples_per_s"] == pytest.approx(8e3 / row["pipelined_step_ms"])
@@ -72,6 +74,9 @@ def test_end_to_end_reads_given_shards(tmp_path, shapes):
     compute, loaded = json.loads(out.read_text())["rows"]
     assert compute["shards"] is None and loaded["shards"] == pattern and loaded["shard_px"] is None
     assert loaded["samples_per_s"] > 0 and not (tmp_path / "unused").exists()
+    # the window's single step (--steps 1) is its one part; compute-only rows have no window
+    assert len(loaded["window_parts_samples_per_s"]) == 1 and "window_parts_samples_per_s" not in compute
+    assert loaded["window_parts_samples_per_s"][0] >= loaded["samples_per_s"] * (1 - 1e-9)
     assert loaded["decode_ms"] > 0 and "decode_ms" not in compute
     # on a CPU the reference path: no nvImageCodec phases; the phases add up to the whole
     phases = loaded["decode_phase_ms"]
