@@ -346,6 +346,32 @@ def test_two_runs_generating_the_same_data_at_once_both_get_it_whole(tmp_path):
     assert not (tmp_path / "eval" / ".generating.lock").exists()
 
 
+def test_preflight_refuses_generated_data_written_with_other_counts(tmp_path):
+    """Generated data on disk is used as it is: asking for other counts than it holds is refused with the fix,
+    rather than training on the old data silently."""
+    from src.parallel.distributed import DistInfo
+    from src.trainer.preflight import ConfigurationError, preflight
+
+    paths = [f"data.shards='{tmp_path}/data/train/train-{{000000..000003}}.tar'",
+             f"data.eval_shards='{tmp_path}/data/eval/eval-{{000000..000001}}.tar'"]
+
+    def configured(train: int, held_out: int):
+        return compose_config(["experiment=quickstart", *paths, f"data.generate_train_samples={train}",
+                               f"data.generate_eval_samples={held_out}"])
+
+    cpu = DistInfo(0, 1, 0, torch.device("cpu"))
+    preflight(configured(400, 40), cpu, str(tmp_path / "run"))  # nothing written yet: nothing to compare
+    ensure_synthetic_data(configured(400, 40), is_main=True)
+    preflight(configured(400, 40), cpu, str(tmp_path / "run"))
+    with pytest.raises(ConfigurationError) as err:
+        preflight(configured(800, 20), cpu, str(tmp_path / "run"))
+    train, held_out = tmp_path / "data" / "train", tmp_path / "data" / "eval"
+    assert (f"data.generate_train_samples=800, but {train} already holds generated data of 400 samples, written "
+            f"with another count: delete {train} to write it again, or set data.generate_train_samples=400"
+            in str(err.value))
+    assert f"data.generate_eval_samples=20, but {held_out} already holds generated data of 40 samples" in str(err.value)
+
+
 def test_make_synthetic_shards_script(tmp_path):
     import subprocess
     import sys

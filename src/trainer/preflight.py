@@ -26,7 +26,7 @@ from src.data.device_crop import device_path_blocker, resolve_resize_on
 from src.data.device_decode import nvimgcodec_missing, resolve_decode_on
 from src.data.loader import PREFETCH_FACTOR, check_batch_size, image_folder, loader_shared_memory, resolve_sources
 from src.data.processes import check_worker_temp_dir
-from src.data.shards import check_pipe_allowed, expand_shards, is_local
+from src.data.shards import check_pipe_allowed, expand_shards, is_local, read_sizes
 from src.kernels.switchback.convert import check_linear_choice
 from src.parallel.distributed import DistInfo
 from src.parallel.mesh import check_sp_size
@@ -358,12 +358,34 @@ def check_loggers(cfg: LoggerConfig) -> None:
                          "(or pip install -e '.[tensorboard]'), or logger=none")
 
 
+def check_generated_data(data: DataConfig) -> None:
+    """Generated data already on disk is used as it is (src/trainer/run.py writes it only where it is missing), so
+    it must hold the counts the keys ask for: a run on data written with other counts would train on it silently.
+    Only data written whole is checked (the held-out split, written last, has its counts): the rest is rewritten."""
+    if not (data.shards and data.eval_shards
+            and os.path.isfile(os.path.join(os.path.dirname(data.eval_shards), "sizes.json"))
+            and read_sizes(expand_shards(data.eval_shards)) is not None):
+        return
+    problems = []
+    for key, pattern, want in (("data.generate_train_samples", data.shards, data.generate_train_samples),
+                               ("data.generate_eval_samples", data.eval_shards, data.generate_eval_samples)):
+        sizes = read_sizes(expand_shards(pattern))
+        if sizes is not None and (held := sum(sizes.values())) != want:
+            directory = os.path.dirname(next(iter(sizes))) or "."
+            problems.append(f"{key}={want}, but {directory} already holds generated data of {held} samples, written "
+                            f"with another count: delete {directory} to write it again, or set {key}={held}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def input_checks(cfg: TrainConfig) -> list[Callable[[], Any]]:
     """Every input a run reads, checked as cheaply as it can be: shards exist (and held-out ones open), files
-    named by keys exist. Generated data (data.generate) is written after preflight, so it is not looked for."""
+    named by keys exist. Generated data (data.generate) is written after preflight, so it need not exist; where
+    it does, it must be what the keys ask for."""
     data = cfg.data
     return [
         lambda: data.generate or resolve_sources(data),
+        lambda: not data.generate or check_generated_data(data),
         lambda: data.generate or not data.eval_shards or check_eval_shards(data.eval_shards),
         # Video evaluation has no zero-shot classification.
         lambda: (data.generate or not data.eval_shards or data.frames or not cfg.eval.held_out.zeroshot
