@@ -81,7 +81,8 @@ def test_switchback_gpu_runs_differ_in_model_linear_only():
     assert (standard.model.name, standard.precision.dtype, standard.trainer.compile) == ("vit_b16", "bf16", "auto")
     assert standard.model.vision.image_size < 224 and 256 <= standard.data.batch_size <= 512
     assert standard.data.eval_shards and standard.eval.held_out.zeroshot
-    assert standard.data.generate_eval_samples >= 2000  # one sample is at most 0.05 points of top-1
+    # held-out images enough to know a top-1 near 0.3 within about 0.3 points, under the 0.5-point goal
+    assert standard.data.generate_eval_samples >= 20000
     for config in configs.values():
         differing = ("model.linear", "trainer.run_dir")  # the run directory holds the time of composition
         assert without(asdict(config), *differing) == without(asdict(standard), *differing)
