@@ -171,7 +171,8 @@ def time_steps(trainer: Trainer, args, device: torch.device, end_to_end: bool,
         ends[-1] = time.perf_counter()
         steps = len(ends) - 1
         seconds = max(seconds, (ends[-1] - ends[0]) / steps)
-        cuts = [round(i * steps / min(WINDOW_PARTS, steps)) for i in range(min(WINDOW_PARTS, steps) + 1)]
+        parts = min(WINDOW_PARTS, steps)
+        cuts = [round(i * steps / parts) for i in range(parts + 1)]
         return seconds, host_seconds, pipelined, [(ends[b] - ends[a]) / (b - a) for a, b in zip(cuts, cuts[1:])]
     return seconds, host_seconds, pipelined, []
 

@@ -25,7 +25,9 @@ from src.data.loader import TrainLoader, default_num_workers, eval_batches
 from src.data.processes import CommandStream
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import decode_clip
+from src.parallel.distributed import DistInfo
 from src.tools.synthetic_shapes import draw_sample, where
+from src.trainer.preflight import ConfigurationError, preflight
 from src.trainer.run import ensure_synthetic_data
 from tests.conftest import compose_config, proc_stat
 
@@ -349,9 +351,6 @@ def test_two_runs_generating_the_same_data_at_once_both_get_it_whole(tmp_path):
 def test_preflight_refuses_generated_data_written_with_other_counts(tmp_path):
     """Generated data on disk is used as it is: asking for other counts than it holds is refused with the fix,
     rather than training on the old data silently."""
-    from src.parallel.distributed import DistInfo
-    from src.trainer.preflight import ConfigurationError, preflight
-
     paths = [f"data.shards='{tmp_path}/data/train/train-{{000000..000003}}.tar'",
              f"data.eval_shards='{tmp_path}/data/eval/eval-{{000000..000001}}.tar'"]
 

@@ -361,17 +361,16 @@ def check_loggers(cfg: LoggerConfig) -> None:
 def check_generated_data(data: DataConfig) -> None:
     """Generated data already on disk is used as it is (src/trainer/run.py writes it only where it is missing), so
     it must hold the counts the keys ask for: a run on data written with other counts would train on it silently.
-    Only data written whole is checked (the held-out split, written last, has its counts): the rest is rewritten."""
+    Only data written whole is checked (the held-out split, written last, has its sizes.json): the rest is rewritten."""
     if not (data.shards and data.eval_shards
-            and os.path.isfile(os.path.join(os.path.dirname(data.eval_shards), "sizes.json"))
-            and read_sizes(expand_shards(data.eval_shards)) is not None):
+            and os.path.isfile(os.path.join(os.path.dirname(data.eval_shards), "sizes.json"))):
         return
     problems = []
     for key, pattern, want in (("data.generate_train_samples", data.shards, data.generate_train_samples),
                                ("data.generate_eval_samples", data.eval_shards, data.generate_eval_samples)):
         sizes = read_sizes(expand_shards(pattern))
         if sizes is not None and (held := sum(sizes.values())) != want:
-            directory = os.path.dirname(next(iter(sizes))) or "."
+            directory = os.path.dirname(pattern) or "."
             problems.append(f"{key}={want}, but {directory} already holds generated data of {held} samples, written "
                             f"with another count: delete {directory} to write it again, or set {key}={held}")
     if problems:
