@@ -22,7 +22,7 @@ from src.config import DataConfig, SourceConfig
 from src.data import reader as reader_module
 from src.data.image_text import OversizedImage, Preprocess
 from src.data.loader import TrainLoader, default_num_workers, eval_batches
-from src.data.processes import CommandStream
+from src.data.processes import CommandStream, worker_start_method
 from src.data.shards import expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import decode_clip
 from src.parallel.distributed import DistInfo
@@ -316,6 +316,27 @@ def test_eval_batches_carry_labels(shapes):
     labels = torch.cat([b["labels"] for b in batches])
     assert len(labels) == 100 and labels.min() >= 0
     assert os.path.isfile(os.path.join(os.path.dirname(expand_shards(shapes["eval_shards"])[0]), "classes.json"))
+
+
+def test_eval_workers_are_spawned_once_cuda_has_started_and_read_the_same_batches(shapes, monkeypatch):
+    # Forked beside a CUDA run, workers inherit the driver's and the GPU decoder's threads half-copied.
+    def read():
+        return list(eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16,
+                                 num_workers=2, preprocess=Preprocess.from_config(compose_config([]).data)))
+
+    assert worker_start_method() is None
+    forked = read()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert worker_start_method() == "spawn"
+    loader = eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16, num_workers=2,
+                          preprocess=Preprocess.from_config(compose_config([]).data)).loader
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
+    spawned = read()
+    assert len(spawned) == len(forked) > 1
+    for a, b in zip(forked, spawned):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
 
 
 def generate_together(cfg, start) -> None:

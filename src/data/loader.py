@@ -37,7 +37,7 @@ from src.config import DataConfig, DataMode
 from src.data.device_crop import decode_for_device
 from src.data.device_decode import DeviceDecoder, collate_for_device, jpeg_for_device
 from src.data.image_text import OversizedImage, Preprocess, decode_image, image_bytes
-from src.data.processes import check_worker_temp_dir, shield_worker, start_workers
+from src.data.processes import check_worker_temp_dir, shield_worker, start_workers, worker_start_method
 from src.data.reader import BadData, Position, Reader, ResampledShards, read_shard
 from src.data.shards import check_pipe_allowed, expand_shards, read_sizes, shards_for_reader
 from src.data.video_text import TooFewFrames, decode_clip
@@ -512,7 +512,9 @@ def eval_loader(units: list[EvalUnit], *, folder: bool, captions: bool, batch_si
                         context_length=context_length, frames=frames, max_image_pixels=max_image_pixels,
                         retries=retries, preprocess=preprocess)
     check_worker_temp_dir(num_workers)
-    loader = DataLoader(stream, batch_size=None, num_workers=min(num_workers, len(units)),
+    workers = min(num_workers, len(units))
+    loader = DataLoader(stream, batch_size=None, num_workers=workers,
+                        multiprocessing_context=worker_start_method() if workers else None,
                         worker_init_fn=functools.partial(shield_worker, trainer=os.getpid()))
     return EvalBatches(loader)
 

@@ -88,6 +88,14 @@ def shield_worker(worker_id: int, trainer: int) -> None:
     threading.Thread(target=obey_parent_only, daemon=True).start()
 
 
+def worker_start_method() -> str | None:
+    """How to start DataLoader workers that begin once training runs: fork (quick; None is DataLoader's default)
+    in a process that has not used CUDA, spawn in one that has. A child forked after CUDA started inherits a
+    half-copied state of the CUDA driver's threads and the GPU decoder's, and the evaluation's workers, forked
+    beside a training run on an H100, died of segmentation faults; spawned ones start afresh."""
+    return "spawn" if torch.cuda.is_initialized() else None
+
+
 @contextlib.contextmanager
 def start_workers() -> Iterator[None]:
     """Around iter(DataLoader(...)): the workers start with the stop signals blocked, so that none of them
