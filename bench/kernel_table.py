@@ -5,10 +5,11 @@
 (e.g. an eager `reduce_kernel` under `aten::sum` < `stableclip::residual_norm_backward`), and with `--shapes`
 also by the innermost op's input shapes (the profiler records them), e.g. SwitchBack's row quantizer by layer;
 with `--gaps`, where the GPU sat idle waiting for the host, and the CPU ops that launched the kernel after each
-long wait.
+long wait; with `--threads`, each host thread's CUDA calls by name (the profiler records every thread's, those of
+libraries such as nvImageCodec included), e.g. a decode thread's per-image `cudaEventSynchronize`.
 
     python bench/kernel_table.py DIR/0.json [DIR/1.json] [--rows 22] [--groups] [--callers 'reduce|copy'] [--shapes]
-        [--gaps]
+        [--gaps] [--threads]
 """
 
 from __future__ import annotations
@@ -126,6 +127,21 @@ def idle_gaps(path: str) -> tuple[float, list[tuple[float, str, str]]]:
     return (end - first) / 1e3 / PROFILED_STEPS, gaps
 
 
+def thread_calls(path: str) -> dict[tuple, tuple[float, collections.Counter, collections.Counter]]:
+    """For each host thread that made CUDA calls: (ms from its first call's start to its last call's end, calls
+    per step by name, ms per step in them by name)."""
+    events = json.load(open(path))["traceEvents"]
+    spans, counts, ms = {}, collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") in ("cuda_runtime", "cuda_driver"):
+            thread, start, end = (event["pid"], event["tid"]), event["ts"], event["ts"] + event["dur"]
+            first, last = spans.get(thread, (start, end))
+            spans[thread] = min(first, start), max(last, end)
+            counts[thread][event["name"]] += 1 / PROFILED_STEPS
+            ms[thread][event["name"]] += event["dur"] / 1e3 / PROFILED_STEPS
+    return {thread: ((last - first) / 1e3, counts[thread], ms[thread]) for thread, (first, last) in spans.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="one or two trace files")
@@ -137,6 +153,8 @@ def main() -> int:
     parser.add_argument("--gaps", action="store_true",
                         help="also print where the GPU sat idle: in all, and the longest stretches with what is "
                              "around them")
+    parser.add_argument("--threads", action="store_true",
+                        help="also print each host thread's CUDA calls by name, per step: how many, how long")
     args = parser.parse_args()
     if len(args.traces) > 2:
         parser.error(f"give one or two traces, got {len(args.traces)}")
@@ -161,6 +179,13 @@ def main() -> int:
                   f"({sum(g[0] for g in long) / per_step:.1f} ms)")
             for micros, before, after in sorted(long, reverse=True)[:args.rows]:
                 print(f"  {micros:8.0f} µs after {before}  before {after}")
+        if args.threads:
+            calls = thread_calls(path)
+            for (_pid, tid), (span, counts, ms) in sorted(calls.items(), key=lambda item: -sum(item[1][2].values())):
+                print(f"thread {tid}: CUDA calls over {span:.1f} ms, per step: {sum(counts.values()):.0f} calls, "
+                      f"{sum(ms.values()):.1f} ms in them")
+                for name, total in ms.most_common(args.rows):
+                    print(f"  {counts[name]:8.1f} x {total:8.2f} ms  {name}")
     if len(tables) == 2:
         first, second = tables
         change = {name: first[name] - second[name] for name in set(first) | set(second)}

@@ -207,6 +207,34 @@ def test_kernel_table_names_the_cpu_ops_that_launched_a_kernel(tmp_path):
     assert "reduce_kernel  <-  aten::sum [[4, 8], []] < stableclip::residual_norm_backward\n" in result.stdout
 
 
+def test_kernel_table_lists_each_threads_cuda_calls(tmp_path):
+    """--threads: each host thread's CUDA calls by name, counted and timed per profiled step (three), the busiest
+    thread first, with the span from its first call to its last; kernels and CPU ops are not calls."""
+    def call(tid, name, ts, dur):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    events = [call(7, "cudaGraphLaunch", 0, 300), call(7, "cudaDeviceSynchronize", 400, 2700),
+              {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 9, "ts": 500, "dur": 9000},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 8, "ts": 0, "dur": 9000}]
+    events += [call(8, name, 1000 + 100 * i, dur) for i in range(6)
+               for name, dur in (("cudaMemcpyAsync", 20), ("cudaEventSynchronize", 50))]
+    events.append({"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 8, "ts": 1600,
+                   "dur": 60})
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    result = subprocess.run([sys.executable, "bench/kernel_table.py", str(tmp_path / "trace.json"), "--threads"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    first = lines.index("thread 7: CUDA calls over 3.1 ms, per step: 1 calls, 1.0 ms in them")
+    assert [line.split() for line in lines[first + 1:first + 3]] == [
+        ["0.3", "x", "0.90", "ms", "cudaDeviceSynchronize"], ["0.3", "x", "0.10", "ms", "cudaGraphLaunch"]]
+    second = lines.index("thread 8: CUDA calls over 0.7 ms, per step: 4 calls, 0.2 ms in them")
+    assert [line.split() for line in lines[second + 1:second + 4]] == [
+        ["2.0", "x", "0.10", "ms", "cudaEventSynchronize"], ["2.0", "x", "0.04", "ms", "cudaMemcpyAsync"],
+        ["0.3", "x", "0.02", "ms", "cuLaunchKernelEx"]]
+    assert first < second and "gemm" not in "".join(lines[first:]) and "aten::mm" not in result.stdout
+
+
 def test_kernel_resources_counts_gelu_instructions_without_a_gpu():
     """bench/kernel_resources.py --gelu compiles GELU's forms for sm_90 on this CPU and counts their SASS
     instructions: the exact GELU's erf costs far more than the bytes it moves (h·h), the tanh form in between,
