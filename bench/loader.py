@@ -79,6 +79,7 @@ from torchvision.transforms.v2 import functional as TF
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from bench.process_stats import cpu_model, stop_workers, time_batches  # noqa: E402
 from src.compose import compose_config  # noqa: E402
+from src.data.device_crop import canvas_side, decode_for_device  # noqa: E402
 from src.data.device_decode import jpeg_for_device  # noqa: E402
 from src.data.image_text import Preprocess, decode_image, random_resized_crop_box  # noqa: E402
 from src.data.loader import TrainLoader  # noqa: E402
@@ -273,7 +274,9 @@ def measure(name: str, make: Callable[[], tuple[Iterator, dict]], workers: int, 
 # ----------------------------------------------------------------------------------------------- decode
 
 
-PREPROCESS = Preprocess.from_config(compose_config([]).data)  # the default resize, no augmentation
+DEFAULT_DATA = compose_config([]).data
+PREPROCESS = Preprocess.from_config(DEFAULT_DATA)  # the default resize, no augmentation
+CANVAS = canvas_side(DEFAULT_DATA, IMAGE_SIZE)
 
 
 def crop_uint8(image: torch.Tensor, rng: random.Random) -> torch.Tensor:
@@ -321,10 +324,20 @@ def ship_for_device(data: bytes, rng: random.Random) -> torch.Tensor:
     return row
 
 
+def place_for_device(data: bytes, rng: random.Random) -> torch.Tensor:
+    """A worker's share of an image under `data.decode_on=workers` with `data.resize_on=device`
+    (`decode_for_device`): decoded as the workers' path decodes it, the crop placed on its canvas for the GPU to
+    resize (a crop larger than the canvas resized here, as there)."""
+    canvas, _box = decode_for_device({"jpg": data}, IMAGE_SIZE, rng, CROP_SCALE_MIN, None, CANVAS, PREPROCESS)
+    return canvas
+
+
 SHIPPED = "ours, data.decode_on=device: header, crop box, bytes"
+PLACED = "ours, data.resize_on=device: decode, crop on its canvas"
 DECODERS = {
     "ours: decode_jpeg below 2x crop, else PIL draft": decode_ours,
     SHIPPED: ship_for_device,
+    PLACED: place_for_device,
     "PIL draft + uint8 crop": decode_pil_draft,
     "PIL no draft + uint8 crop": decode_pil_no_draft,
     "torchvision decode_jpeg + uint8 crop": decode_torchvision,
@@ -333,9 +346,10 @@ DECODERS = {
 
 
 def bench_decode(images: list[bytes], passes: int) -> dict:
-    for name, fn in DECODERS.items():  # warm-up, and a check that each gives a (3, 224, 224) image (or a crop row)
+    shapes = {SHIPPED: (6,), PLACED: (3, CANVAS, CANVAS)}
+    for name, fn in DECODERS.items():  # warm-up, and a check that each gives a (3, 224, 224) image (or its own)
         out = fn(images[0], random.Random(0))
-        assert tuple(out.shape) == ((6,) if name == SHIPPED else (3, IMAGE_SIZE, IMAGE_SIZE)), (name, out.shape)
+        assert tuple(out.shape) == shapes.get(name, (3, IMAGE_SIZE, IMAGE_SIZE)), (name, out.shape)
     times: dict[str, list[float]] = {name: [] for name in DECODERS}
     for p in range(passes):
         for name, fn in DECODERS.items():
