@@ -320,15 +320,15 @@ def test_eval_batches_carry_labels(shapes):
 
 def test_eval_workers_are_spawned_once_cuda_has_started_and_read_the_same_batches(shapes, monkeypatch):
     # Forked beside a CUDA run, workers inherit the driver's and the GPU decoder's threads half-copied.
-    def read():
+    def read():  # one worker: a spawned one imports torch afresh, seconds on two cores
         return list(eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16,
-                                 num_workers=2, preprocess=Preprocess.from_config(compose_config([]).data)))
+                                 num_workers=1, preprocess=Preprocess.from_config(compose_config([]).data)))
 
     assert worker_start_method() is None
     forked = read()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert worker_start_method() == "spawn"
-    loader = eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16, num_workers=2,
+    loader = eval_batches(shapes["eval_shards"], batch_size=32, image_size=32, context_length=16, num_workers=1,
                           preprocess=Preprocess.from_config(compose_config([]).data)).loader
     assert loader.multiprocessing_context.get_start_method() == "spawn"
     spawned = read()
