@@ -48,13 +48,13 @@ def test_decode_microbenchmark_times_every_strategy_and_a_workers_share_under_de
 
 
 def test_a_workers_share_under_device_resizing_is_the_crop_on_its_canvas():
-    """Under data.resize_on=device a worker decodes and places the crop, unresized, on a 256-px canvas (224 px
+    """Under data.resize_on=device a worker decodes and places the crop, unresized, on a 258-px canvas (224 px
     crops), with a one-pixel border; the rest of the canvas stays zero."""
     bench = load_bench()
     buffer = io.BytesIO()
     Image.new("RGB", (200, 150), (200, 90, 30)).save(buffer, format="JPEG", quality=95)
     canvas = bench.place_for_device(buffer.getvalue(), random.Random(0))
-    assert bench.CANVAS == 256 and tuple(canvas.shape) == (3, 256, 256)
+    assert bench.CANVAS == 258 and tuple(canvas.shape) == (3, 258, 258)
     filled = canvas.sum(0) > 0
     rows, columns = int(filled.any(1).sum()), int(filled.any(0).sum())
     # The crop covers at least 90% of the image's area, so nearly all of its 200 x 150 pixels, plus the border.

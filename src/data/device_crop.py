@@ -1,19 +1,21 @@
 """Training crops resized on the training device instead of in the loader's workers (`data.resize_on`).
 
-A worker spends about a third of a 256-px image's time on the antialiased resize of its random crop (0.46 of
-1.4 ms on one core, docs/BENCHMARKS.md, end to end), and at ViT-B/32's rate an H200's 16 CPUs cannot keep up.
-With `data.resize_on=device` a worker draws the same crop box from the same RNG, copies the box's pixels and a
-one-pixel border into a fixed canvas (`data.device_resize_max_side`, by default 8/7 of the image size: 256 px at
-224) and ships the canvas with the box; the training device resizes every crop of the batch in one
-`torchvision.ops.roi_align` call. A crop too large for the canvas is resized in the worker as before and placed
-at the canvas's corner with an identity box, which the device copies exactly.
+A worker spends about a third of a 256-px image's time on the antialiased resize of its random crop (0.46 of 1.4 ms
+on one core, docs/BENCHMARKS.md, end to end), and at ViT-B/32's rate an H200's 16 CPUs cannot keep up. With
+`data.resize_on=device` a worker draws the same crop box from the same RNG, copies the box's pixels and a one-pixel
+border into a fixed canvas (`data.device_resize_max_side`, by default 8/7 of the image size and the two border
+pixels: 258 px at 224, so that every crop of a 256-px image fits) and ships the canvas with the box; the training
+device resizes every crop of the batch in one `torchvision.ops.roi_align` call. A crop too large for the canvas is
+resized in the worker as before and placed at the canvas's corner with an identity box, which the device copies
+exactly.
 
 The samples, the boxes and the resume position are the workers' exactly; the pixels differ slightly. `roi_align`
-samples bilinearly at each output pixel's centre (one sample a bin), torchvision's resize filters with a
-triangle as wide as the scale factor. Up to the canvas's 8/7 the two differ by about a quarter of a grey level
-on average (tests/test_device_crop.py bounds it), and inside the image the border pixels interpolate with the
-real neighbours rather than repeating the crop's edge. Colour jitter, grayscale and bicubic resizing have no
-device path: `auto` keeps those runs in the workers, and `device` is refused for them at preflight.
+samples bilinearly at each output pixel's centre (one sample a bin), torchvision's resize filters with a triangle as
+wide as the scale factor. Up to the canvas's 8/7 the two differ by a quarter to two-thirds of a grey level on
+average (most for crops near 8/7 of a sharp photograph; tests/test_device_crop.py bounds it), and inside the image
+the border pixels interpolate with the real neighbours rather than repeating the crop's edge. Colour jitter,
+grayscale and bicubic resizing have no device path: `auto` keeps those runs in the workers, and `device` is refused
+for them at preflight.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ AUTO = "auto"
 
 
 def canvas_side(cfg: DataConfig, image_size: int) -> int:
-    """The canvas's side in pixels: data.device_resize_max_side, or 8/7 of the image size (256 at 224)."""
-    return cfg.device_resize_max_side or image_size * 8 // 7
+    """The canvas's side in pixels: data.device_resize_max_side, or room for a crop of 8/7 of the image size and
+    its one-pixel border (258 at 224: any crop of img2dataset's 256-px images)."""
+    return cfg.device_resize_max_side or image_size * 8 // 7 + 2
 
 
 def device_path_blocker(cfg: DataConfig) -> str | None:

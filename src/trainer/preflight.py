@@ -94,7 +94,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.image_mean", lambda v: len(v) == 3 and all(FINITE(m) for m in v), "three finite numbers (R, G, B)"),
     ("data.image_std", lambda v: len(v) == 3 and all(FINITE(s) and s > 0 for s in v),
      "three finite numbers above 0 (R, G, B)"),
-    ("data.device_resize_max_side", lambda v: v is None or v >= 1, "at least 1 (or null: 8/7 of the image size)"),
+    ("data.device_resize_max_side", lambda v: v is None or v >= 1, "at least 1 (or null: 8/7 of the image size + 2)"),
     ("data.decode_threads", lambda v: v >= 1, "at least 1"),
     ("data.color_jitter", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("data.color_jitter_prob", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -146,7 +146,7 @@ RELATIONS: tuple[tuple[tuple[str, ...], Callable[..., bool], str], ...] = (
      "model.vision.image_size must be a multiple of model.vision.patch_size"),
     (("data.device_resize_max_side", "model.vision.image_size"), lambda side, size: side is None or side >= size,
      "data.device_resize_max_side must be at least model.vision.image_size (a crop resized in the workers fills "
-     "size x size pixels of the canvas); null picks 8/7 of it"),
+     "size x size pixels of the canvas); null picks 8/7 of it and a 2-px border"),
     (("model.init_logit_scale", "model.max_logit_scale"), lambda init, top: init <= top,
      "model.init_logit_scale must not exceed model.max_logit_scale (the scale is clamped there after every step)"),
     (("spikes.attribution_min", "spikes.attribution_max"), lambda low, high: low <= high,
