@@ -85,6 +85,7 @@ from src.data.image_text import Preprocess, crop, random_resized_crop_box  # noq
 from src.data.loader import TrainLoader  # noqa: E402
 from src.data.video_text import segment_times  # noqa: E402
 from src.tools.shard_writer import read_captions, shard_pattern  # noqa: E402
+from src.tools.synthetic_videos import yuv420p_frame  # noqa: E402
 from src.tools.video_pack import pack_videos  # noqa: E402
 
 DATA_VERSION = 2  # bump when the generated videos change, so old caches are not reused
@@ -137,7 +138,7 @@ def write_video(path: str, source: str, width: int, height: int, seconds: float,
         stream = container.add_stream("libx264", rate=FPS)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for array in render_frames(photo, width, height, round(seconds * FPS), seed):
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+            container.mux(stream.encode(yuv420p_frame(array)))
         container.mux(stream.encode())
     os.replace(path + ".tmp", path)
     with av.open(path) as container:
@@ -249,7 +250,7 @@ def seek_decode(source: str | io.BytesIO, frames: int, rng: random.Random) -> to
                     break
             if frame is None:
                 raise ValueError(f"no frame decoded after seeking to {target:.3f} s")
-            picked.append(torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1))
+            picked.append(torch.from_numpy(frame.to_ndarray(format="rgb24", threads=1)).permute(2, 0, 1))
     return torch.stack(picked)
 
 
@@ -310,7 +311,7 @@ def tiny_mp4(frames: int = 24, size: int = 64) -> bytes:
         stream.pix_fmt = "yuv420p"
         for i in range(frames):
             array = np.full((size, size, 3), 8 * i, dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+            container.mux(stream.encode(yuv420p_frame(array)))
         container.mux(stream.encode())
     return buffer.getvalue()
 

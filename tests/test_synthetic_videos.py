@@ -12,7 +12,8 @@ from tests.conftest import ROOT
 
 def decode(path) -> np.ndarray:
     with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+        # One scaling thread: a threaded rescaler left in this test process would deadlock what it forks later.
+        return np.stack([f.to_ndarray(format="rgb24", threads=1) for f in container.decode(video=0)])
 
 
 def centroid(frame: np.ndarray, background: np.ndarray) -> np.ndarray:

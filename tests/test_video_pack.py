@@ -16,7 +16,7 @@ from src.data.loader import TrainLoader
 from src.tools.shard_writer import read_captions
 from src.tools.synthetic_videos import make_synthetic_videos
 from src.tools.video_pack import pack_videos
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compose_config, run_with_stacks
 
 
 def read_shards(out_dir) -> dict[str, dict]:
@@ -114,3 +114,28 @@ def test_cli_reports_and_exit_codes(videos, tmp_path):
     assert out.returncode == 0 and "3 failures" in out.stdout and "corrupt.mp4" in out.stderr
     bad = run("--videos", str(root), "--captions", table, "--out", str(tmp_path / "p"), "--frames", "0")
     assert bad.returncode == 2 and "frames >= 1" in bad.stderr
+
+
+FORK_AFTER_VIDEO_WORK = """
+import os, sys
+from src.data.video_text import video_frames
+from src.tools.shard_writer import read_captions
+from src.tools.synthetic_videos import make_synthetic_videos
+from src.tools.video_pack import pack_videos
+out = sys.argv[1]
+table = make_synthetic_videos(os.path.join(out, "videos"), clips=4, frames=16, size=64, fps=8)  # encodes here
+with open(os.path.join(out, "videos", "clip_000000.mp4"), "rb") as f:
+    video_frames(f.read(), 4, None, None)  # and decodes to RGB here, as a trainer without workers does
+summary = pack_videos(read_captions(table), os.path.join(out, "videos"), os.path.join(out, "shards"), frames=4,
+                      short_side=32, shard_size=1, workers=2)  # then forks a pool that decodes again
+print(summary.samples)
+"""
+
+
+def test_a_pool_forked_after_video_work_in_the_parent_does_not_deadlock(tmp_path):
+    """PyAV's rescaler runs threads of its own by default (PyAV 17+). A process that has converted frames with it
+    and then forks (the shard writer's pool, a DataLoader's workers) used to leave the children waiting for ever
+    for threads they do not have (PyAV 18.1.1); every conversion here runs on one thread, so the pool finishes."""
+    result = run_with_stacks([sys.executable, "-c", FORK_AFTER_VIDEO_WORK, str(tmp_path)], cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "4"

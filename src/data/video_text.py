@@ -67,7 +67,8 @@ def video_frames(data: bytes, frames: int, rng: random.Random | None, max_pixels
         picked = []
         for frame in container.decode(stream):
             while len(picked) < frames and frame.time is not None and frame.time >= targets[len(picked)]:
-                picked.append(TF.pil_to_tensor(frame.to_image()))
+                # One scaling thread, like the decoder: PyAV's threaded rescaler (17+) deadlocks forked workers.
+                picked.append(TF.pil_to_tensor(frame.to_image(threads=1)))
             if len(picked) == frames:
                 break
     if not picked:

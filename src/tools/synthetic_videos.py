@@ -40,6 +40,15 @@ def draw_frame(size: int, background, colour, shape: str, cx: float, cy: float, 
     return np.asarray(image)
 
 
+def yuv420p_frame(rgb: np.ndarray):
+    """An (H, W, 3) uint8 RGB array as the yuv420p `av.VideoFrame` an H.264 encoder takes, converted with one
+    thread. Left to the encoder, the conversion runs PyAV's threaded rescaler (PyAV 17+), whose threads a process
+    forked later (a shard writer's pool, a DataLoader's workers) inherits half-copied, and deadlocks in."""
+    import av  # the `video` extra
+
+    return av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p", threads=1)
+
+
 def write_clip(path: str, seed: int, frames: int, size: int, fps: int, anywhere: bool = False) -> dict:
     """Encode one clip (H.264 in mp4, via a temporary name) and return its caption row. The shape crosses the
     frame from one edge to the other, along the middle row (or column), or with `anywhere` a random one."""
@@ -65,7 +74,7 @@ def write_clip(path: str, seed: int, frames: int, size: int, fps: int, anywhere:
         for i in range(frames):
             t = i / (frames - 1)
             frame = draw_frame(size, back, fill, shape, start_x + dx * travel * t, start_y + dy * travel * t, r)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode(yuv420p_frame(frame)))
         container.mux(stream.encode())
     os.replace(tmp, path)
     caption = rng.choice(CAPTIONS).format(c=colour, s=shape, d=direction, b=background)

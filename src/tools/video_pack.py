@@ -69,7 +69,8 @@ def decode_frames(path: str, start: float, end: float | None, frames: int):
     if len(picked) < frames or len(set(times)) < frames:
         raise SampleError("failed_too_short", f"{len(set(times))} distinct frames in [{start:.2f}, {end:.2f}] s, "
                                               f"need {frames}")
-    return [frame.to_image() for _, frame in picked], times, fps, size, end
+    # One scaling thread: PyAV's threaded rescaler (17+) left in a parent deadlocks the children it forks.
+    return [frame.to_image(threads=1) for _, frame in picked], times, fps, size, end
 
 
 def encode_frame(image: Image.Image, short_side: int, quality: int) -> bytes:
