@@ -88,6 +88,13 @@ BACKEND_CHOICES = (("HW_GPU_ONLY", "HYBRID_CPU_GPU"), ("HYBRID_CPU_GPU",))
 # load on an H100, one decode of 1,024 photographs took 2.7 s with the default and 0.12 s with 32 (docs/data.md).
 CUDA_QUEUES = 32
 
+# The decode threads' CUDA stream priority (lower is higher; torch clamps it to the range it supports). nvJPEG's
+# hardware path waits on the host for each image's colour-conversion kernel before it sends the next image, and on a
+# stream of the default priority that kernel's blocks may wait for SMs behind the training step's. A negative value
+# lets them go first; whether that shortens a decode call beside training is for `bench/throughput.py --end-to-end
+# --set "py:src.data.device_decode.DECODE_STREAM_PRIORITY=-1"` to show.
+DECODE_STREAM_PRIORITY = 0
+
 
 def widen_cuda_queues() -> None:
     """Ask the driver for CUDA_QUEUES hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`) unless the environment already
@@ -306,7 +313,7 @@ class DeviceDecoder:
             self.local.decoder = open_decoder(nvimgcodec, self.device.index or 0)
             self.local.params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
                                                         color_spec=nvimgcodec.ColorSpec.SRGB)
-            self.local.stream = torch.cuda.Stream(self.device)
+            self.local.stream = torch.cuda.Stream(self.device, priority=DECODE_STREAM_PRIORITY)
             self.local.images = []
             self.local.held = []  # the last batch's decoded images, which its crops read
             self.local.codestream = nvimgcodec.CodeStream
