@@ -136,12 +136,18 @@ def resolve_decode_on(cfg: DataConfig, image_size: int, device: torch.device) ->
     call, whose time beside training hardly depends on what it decodes (above)."""
     blocker = device_path_blocker(cfg)
     auto = str(cfg.decode_on) == AUTO
-    why_not = ("" if str(cfg.decode_on) == "workers" or blocker is not None else
-               f"no JPEG engines on {device.type}" if device.type != "cuda" else nvimgcodec_missing())
-    if str(cfg.decode_on) == "workers" or blocker is not None or (auto and why_not):
+    in_workers = None  # why the workers decode, when they do
+    if blocker is not None:
+        in_workers = f" ({blocker})"
+    elif str(cfg.decode_on) == "workers":
+        in_workers = ""
+    elif auto:
+        missing = f"no JPEG engines on {device.type}" if device.type != "cuda" else nvimgcodec_missing()
+        in_workers = f" (auto: {missing})" if missing else None
+    if in_workers is not None:
         canvas, resize = resolve_resize_on(cfg, image_size, device)
-        reason = f" ({blocker})" if blocker is not None else f" (auto: {why_not})" if why_not else ""
-        return False, canvas, f"data: training images decoded in the workers{reason}; {resize.removeprefix('data: ')}"
+        resize = resize.removeprefix("data: ")
+        return False, canvas, f"data: training images decoded in the workers{in_workers}; {resize}"
     how = "nvImageCodec" if device.type == "cuda" else "torchvision, the reference path"
     canvas = resolve_resize_on(cfg, image_size, device)[0] if auto else 0
     if not canvas:
