@@ -16,14 +16,7 @@ from PIL import Image
 from skimage import data as photos
 
 from src.data import device_decode
-from src.data.device_crop import resize_crops
-from src.data.device_decode import (
-    DeviceDecoder,
-    draft_scale,
-    fits_canvas,
-    resolve_decode_on,
-    workers_crop_box,
-)
+from src.data.device_decode import DeviceDecoder, draft_scale, resolve_decode_on, workers_crop_box
 from src.data.image_text import random_resized_crop_box
 from src.data.loader import TrainLoader
 from src.parallel.distributed import DistInfo
@@ -139,71 +132,20 @@ def test_a_batch_of_nothing_decodable_is_refused_with_the_fix(tmp_path):
         batches(pattern, DeviceDecoder(CPU, SIZE), 0, count=1)
 
 
-def test_auto_decodes_the_jpegs_too_large_for_the_canvas_on_a_gpu_with_nvimgcodec_and_says_why_not(monkeypatch):
+def test_auto_decodes_on_a_gpu_with_nvimgcodec_and_says_why_not(monkeypatch):
     data = compose_config([]).data
     monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: None)
-    assert resolve_decode_on(data, 224, CUDA) == (
-        True, 258, "data: training JPEGs larger than 256 px a side decoded and cropped on the cuda (nvImageCodec) "
-        "(auto: on a GPU); smaller ones and other images decoded in the workers, their crops resized on the cuda")
-    # decode_on=device: every JPEG, and the other images' crops come resized from the workers
-    assert resolve_decode_on(replace(data, decode_on="device"), 224, CUDA) == (
-        True, 0, "data: training JPEGs decoded and cropped on the cuda (nvImageCodec), other images in the workers")
-    assert resolve_decode_on(replace(data, resize_on="workers"), 224, CUDA) == (
-        True, 0, "data: training JPEGs decoded and cropped on the cuda (nvImageCodec) (auto: on a GPU), other "
-        "images in the workers")
-    assert resolve_decode_on(data, 224, CPU) == (
-        False, 0, "data: training images decoded in the workers (auto: no JPEG engines on cpu); crops resized in "
-        "the workers (auto: on cpu the workers' resize is the faster)")
-    assert resolve_decode_on(replace(data, decode_on="device"), 224, CPU)[:2] == (True, 0)
-    assert resolve_decode_on(replace(data, decode_on="workers"), 224, CUDA) == (
-        False, 258, "data: training images decoded in the workers; crops up to 256 px a side resized on the cuda "
-        "(auto: on a GPU), larger ones in the workers")
-    on, canvas, line = resolve_decode_on(replace(data, grayscale_prob=0.1), 224, CUDA)
-    assert not on and not canvas and "grayscale run in the workers" in line
+    assert resolve_decode_on(data, CUDA) == (True, "data: training JPEGs decoded and cropped on the cuda "
+                                                    "(nvImageCodec) (auto: on a GPU), other images in the workers")
+    assert resolve_decode_on(data, CPU) == (False, "data: training images decoded in the workers (auto: no JPEG "
+                                                   "engines on cpu)")
+    assert resolve_decode_on(replace(data, decode_on="device"), CPU)[0]
+    assert not resolve_decode_on(replace(data, decode_on="workers"), CUDA)[0]
+    on, line = resolve_decode_on(replace(data, grayscale_prob=0.1), CUDA)
+    assert not on and "grayscale run in the workers" in line
     monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: "nvImageCodec is not installed (pip ...)")
-    assert resolve_decode_on(data, 224, CUDA) == (
-        False, 258, "data: training images decoded in the workers (auto: nvImageCodec is not installed (pip ...)); "
-        "crops up to 256 px a side resized on the cuda (auto: on a GPU), larger ones in the workers")
-
-
-@pytest.mark.parametrize(("width", "height", "fits"), [(256, 256, True), (257, 200, False), (100, 257, False),
-                                                       (1, 1, True)])
-def test_a_jpeg_fits_the_canvas_when_every_crop_and_its_border_does(width, height, fits):
-    assert fits_canvas(width, height, 258) is fits
-
-
-def test_under_auto_small_jpegs_come_from_the_workers_canvases_and_large_ones_from_the_device(tmp_path):
-    """The split batch (`canvas` and a decoder): the JPEGs that fit the canvas equal the data.resize_on=device
-    path's pixels bit for bit, the larger ones the device decoder's alone; keys, captions and positions are the
-    workers' whatever decodes them."""
-    canvas = SIZE * 8 // 7 + 2  # 38: JPEGs up to 36 px a side fit
-    rng = random.Random(4)
-    sizes = [(rng.randint(20, 36), rng.randint(20, 36)) if i % 3 else (rng.randint(37, 90), rng.randint(37, 90))
-             for i in range(32)]
-    images = [("jpg", jpeg(w, h)) for w, h in sizes]
-    images[5] = ("png", jpeg(30, 30, "PNG"))  # another format: decoded in the worker, on its canvas
-    pattern = write_shards(tmp_path / "split", images)
-
-    def run(canvas: int, decoder: DeviceDecoder | None) -> list[dict]:
-        cfg = data_config(pattern, 8, 1, shuffle_buffer=10)
-        loader = TrainLoader(cfg, image_size=SIZE, context_length=8, seed=3, canvas=canvas, decoder=decoder)
-        return [next(loader) for _ in range(3)]
-
-    split, placed, device = run(canvas, DeviceDecoder(CPU, SIZE)), run(canvas, None), run(0, DeviceDecoder(CPU, SIZE))
-    small = large = 0
-    for got, resized, decoded in zip(split, placed, device):
-        assert got["keys"] == resized["keys"] == decoded["keys"] and got["position"] == decoded["position"]
-        assert torch.equal(got["tokens"], decoded["tokens"]) and got["images"].shape == (8, 3, SIZE, SIZE)
-        want = resize_crops(resized["images"], resized["boxes"], SIZE)
-        for i, key in enumerate(got["keys"]):
-            width, height = sizes[int(key)]
-            if images[int(key)][0] == "png" or fits_canvas(width, height, canvas):
-                assert torch.equal(got["images"][i], want[i]), key
-                small += 1
-            else:
-                assert torch.equal(got["images"][i], decoded["images"][i]), key
-                large += 1
-    assert small and large
+    assert resolve_decode_on(data, CUDA) == (False, "data: training images decoded in the workers (auto: "
+                                                    "nvImageCodec is not installed (pip ...))")
 
 
 def test_preflight_refuses_device_decoding_it_cannot_do(tmp_path):

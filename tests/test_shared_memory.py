@@ -10,7 +10,6 @@ from collections import namedtuple
 import pytest
 import torch
 
-from src.data import device_decode
 from src.data.loader import PREFETCH_FACTOR, TrainLoader, loader_shared_memory
 from src.data.processes import check_worker_temp_dir
 from src.parallel.distributed import DistInfo
@@ -47,18 +46,6 @@ def test_too_little_shared_memory_is_refused_with_the_fix(monkeypatch):
     check_loader_shared_memory(config("data.num_workers=0"), CPU)  # no workers, nothing shared
     monkeypatch.setattr(preflight_module.shutil, "disk_usage", lambda path: Usage(64e9, 0, 64e9))
     check_loader_shared_memory(config(), CPU)
-
-
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
-def test_where_the_gpu_decodes_only_the_workers_canvases_are_counted(monkeypatch):
-    """Under data.decode_on=auto the workers ship the smaller images as canvases, which are counted; JPEGs travel
-    undecoded, of sizes unknown before the run, so data.decode_on=device is not checked."""
-    monkeypatch.setattr(device_decode, "nvimgcodec_missing", lambda: None)
-    monkeypatch.setattr(preflight_module.shutil, "disk_usage", lambda path: Usage(64e6, 0, 64e6))
-    gpu = DistInfo(0, 1, 0, torch.device("cuda", 0))
-    with pytest.raises(ValueError, match=r"may hold 12\.31 GB of shared memory"):  # 258-px canvases
-        check_loader_shared_memory(config(), gpu)
-    check_loader_shared_memory(config("data.decode_on=device"), gpu)
 
 
 @pytest.fixture

@@ -13,15 +13,6 @@ Triton kernels (src/kernels/resized_crop.py, torchvision's antialiased bilinear 
 plain 8-bit JPEGs by their header (PNG, WebP, 12-bit JPEGs, ...) are decoded and cropped in the worker as before and
 travel beside the bytes.
 
-`auto` on a GPU splits the work by size: JPEGs too large for the crop canvas of `data.resize_on=device`
-(src/data/device_crop.py; 256 px a side at 224) go to the device as above, and the smaller ones (img2dataset's
-256-px images) are decoded in the workers and shipped as canvases, which the decode threads resize on the device.
-Beside training a decode call takes about as long whatever it holds: on an H100, 264 ms for 1,024 256-px images
-and 292 ms for 1,024 photographs with 9 times their pixels, and as long for 768 photographs as for 1,024
-(docs/data.md), so two decode threads cap a 256-px set near 8,000 images/s, while a dozen workers decode such an
-image and place its crop in about 0.5 ms of a core each. A batch of small images makes no decode call at all.
-Whether the split beats the device decoding every JPEG is for the end-to-end benchmark to show on each shard set.
-
 What stays the same: the samples, their order, the resume position and the crop boxes. For a JPEG at least twice
 the crop size the workers' path decodes at 1/2, 1/4 or 1/8 scale (PIL's `draft`) and draws the box in those
 pixels; here the box is drawn in the same reduced pixels and scaled back to the full image
@@ -46,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable
 from importlib.util import find_spec
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,8 +44,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as TF
 
 from src.config import DataConfig
-from src.data.device_crop import AUTO, decode_for_device, device_path_blocker, resolve_resize_on
-from src.data.device_crop import resize_crops as resize_canvases
+from src.data.device_crop import AUTO, device_path_blocker
 from src.data.image_text import (
     Preprocess,
     check_decodable,
@@ -128,40 +117,22 @@ def open_decoder(nvimgcodec, device_index: int):
                        "set data.decode_on=workers")
 
 
-def resolve_decode_on(cfg: DataConfig, image_size: int, device: torch.device) -> tuple[bool, int, str]:
-    """Whether the training device decodes the training JPEGs; the canvas side in which the workers ship the crops
-    they decode, for the device to resize (0: they resize them; src/data/device_crop.py); and one log line saying
-    what runs and why. Under `auto` the device decodes only the JPEGs too large for the canvas: one that fits in it
-    whole costs a worker a small decode and a copy, and a batch of such images costs the decode threads no decode
-    call, whose time beside training hardly depends on what it decodes (above)."""
+def resolve_decode_on(cfg: DataConfig, device: torch.device) -> tuple[bool, str]:
+    """Whether the training device decodes the training JPEGs, and one log line saying so and why."""
     blocker = device_path_blocker(cfg)
-    auto = str(cfg.decode_on) == AUTO
-    in_workers = None  # why the workers decode, when they do
-    if blocker is not None:
-        in_workers = f" ({blocker})"
-    elif str(cfg.decode_on) == "workers":
-        in_workers = ""
-    elif auto:
-        missing = f"no JPEG engines on {device.type}" if device.type != "cuda" else nvimgcodec_missing()
-        in_workers = f" (auto: {missing})" if missing else None
-    if in_workers is not None:
-        canvas, resize = resolve_resize_on(cfg, image_size, device)
-        resize = resize.removeprefix("data: ")
-        return False, canvas, f"data: training images decoded in the workers{in_workers}; {resize}"
+    if str(cfg.decode_on) == "workers" or blocker is not None:
+        reason = "" if str(cfg.decode_on) == "workers" else f" ({blocker})"
+        return False, f"data: training images decoded in the workers{reason}"
+    if str(cfg.decode_on) == AUTO:
+        if device.type != "cuda":
+            return False, f"data: training images decoded in the workers (auto: no JPEG engines on {device.type})"
+        missing = nvimgcodec_missing()
+        if missing:
+            return False, f"data: training images decoded in the workers (auto: {missing})"
     how = "nvImageCodec" if device.type == "cuda" else "torchvision, the reference path"
-    canvas = resolve_resize_on(cfg, image_size, device)[0] if auto else 0
-    if not canvas:
-        why = " (auto: on a GPU)" if auto else ""
-        return True, 0, (f"data: training JPEGs decoded and cropped on the {device.type} ({how}){why}, other images "
-                         "in the workers")
-    return True, canvas, (f"data: training JPEGs larger than {canvas - 2} px a side decoded and cropped on the "
-                          f"{device.type} ({how}) (auto: on a GPU); smaller ones and other images decoded in the "
-                          f"workers, their crops resized on the {device.type}")
-
-
-def fits_canvas(width: int, height: int, canvas: int) -> bool:
-    """Whether a whole image, and so every crop of it, fits in a canvas of that side with the crop's border."""
-    return width + 2 <= canvas and height + 2 <= canvas
+    why = " (auto: on a GPU)" if str(cfg.decode_on) == AUTO else ""
+    return True, (f"data: training JPEGs decoded and cropped on the {device.type} ({how}){why}, other images in "
+                  "the workers")
 
 
 def draft_scale(width: int, height: int, size: int) -> int:
@@ -182,58 +153,42 @@ def workers_crop_box(width: int, height: int, size: int, rng, scale_min: float) 
     return top, left, min(h * s, height - top), min(w * s, width - left)
 
 
-class Jpeg(NamedTuple):
-    """A training JPEG for the device to decode: its bytes (uint8) and int32 [top, left, height, width, image
-    height, image width], the crop box and the image's size."""
-
-    data: torch.Tensor
-    meta: torch.Tensor
-
-
 def jpeg_for_device(sample: dict, size: int, rng, scale_min: float, max_pixels: int | None,
-                    preprocess: Preprocess, canvas: int = 0) -> Jpeg | tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """A training image sample for the device to decode (`Jpeg`), or one decoded here: with `canvas`, a JPEG that
-    fits in it whole and any image that is not a plain JPEG by its header, as its canvas and crop box for the
-    device to resize (`decode_for_device`); without, an image that is not a plain JPEG, as its (3, size, size)
-    crop, decoded as the workers' path does. Every path draws the same crop box from `rng`."""
+                    preprocess: Preprocess) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """A training image sample for the device to decode: (its JPEG bytes as uint8, int32 [top, left, height,
+    width, image height, image width]); or, for an image that is not a plain JPEG by its header, its (3, size,
+    size) crop, decoded here as the workers' path does."""
     data = image_bytes(sample)
     frame = jpeg_size(data)
-    if frame is None or (canvas and fits_canvas(*frame, canvas)):
-        if canvas:
-            return decode_for_device(sample, size, rng, scale_min, max_pixels, canvas, preprocess)
+    if frame is None:
         return decode_image(data, size, rng, scale_min, max_pixels, preprocess=preprocess)
     width, height = frame
     check_decodable(width, height, max_pixels)
     box = workers_crop_box(width, height, size, rng, scale_min)
-    return Jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                torch.tensor([*box, height, width], dtype=torch.int32))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor([*box, height, width], dtype=torch.int32)
 
 
 def collate_for_device(items: list, in_worker: bool) -> dict[str, torch.Tensor]:
     """A batch of `jpeg_for_device` results: "jpeg_bytes" (all JPEGs end to end), "jpeg_lengths" (B,), "jpeg_meta"
-    (B, 6; a decoded image's row is zeros), and the images decoded in the worker, "decoded" (K, 3, S, S) crops or
-    (K, 3, C, C) canvases with their "decoded_boxes" (K, 4; none with crops), at "decoded_index" (K,). In a worker
-    the bytes and the pixels go straight to shared memory, as default_collate's tensors do."""
-    jpegs = [item if isinstance(item, Jpeg) else None for item in items]
-    lengths = torch.tensor([0 if j is None else len(j.data) for j in jpegs], dtype=torch.int64)
+    (B, 6; a decoded image's row is zeros) and the crops decoded in the worker, "decoded" (K, 3, S, S) at
+    "decoded_index" (K,). In a worker the bytes and the crops go straight to shared memory, as default_collate's
+    tensors do."""
+    jpegs = [item if isinstance(item, tuple) else None for item in items]
+    lengths = torch.tensor([0 if j is None else len(j[0]) for j in jpegs], dtype=torch.int64)
     flat = torch.empty(int(lengths.sum()), dtype=torch.uint8)
     if in_worker:
         flat.share_memory_()
-    torch.cat([j.data for j in jpegs if j is not None] or [flat[:0]], out=flat)
-    meta = torch.stack([torch.zeros(6, dtype=torch.int32) if j is None else j.meta for j in jpegs])
+    torch.cat([j[0] for j in jpegs if j is not None] or [flat[:0]], out=flat)
+    meta = torch.stack([torch.zeros(6, dtype=torch.int32) if j is None else j[1] for j in jpegs])
     index = [i for i, j in enumerate(jpegs) if j is None]
-    decoded, boxes = torch.zeros(0, dtype=torch.uint8), torch.zeros(0, 4)
+    decoded = torch.zeros(0, dtype=torch.uint8)
     if index:
-        canvases = isinstance(items[index[0]], tuple)  # one kind a batch: canvases whenever the loader has a canvas
-        pixels = [items[i][0] if canvases else items[i] for i in index]
-        decoded = torch.empty(len(index), *pixels[0].shape, dtype=torch.uint8)
+        decoded = torch.empty(len(index), *items[index[0]].shape, dtype=torch.uint8)
         if in_worker:
             decoded.share_memory_()
-        torch.stack(pixels, out=decoded)
-        if canvases:
-            boxes = torch.stack([items[i][1] for i in index])
+        torch.stack([items[i] for i in index], out=decoded)
     return {"jpeg_bytes": flat, "jpeg_lengths": lengths, "jpeg_meta": meta, "decoded": decoded,
-            "decoded_boxes": boxes, "decoded_index": torch.tensor(index, dtype=torch.int64)}
+            "decoded_index": torch.tensor(index, dtype=torch.int64)}
 
 
 # (the images' device addresses, their widths, (B, 4) boxes, size, device) -> (B, 3, size, size), as in
@@ -291,8 +246,7 @@ class DeviceDecoder:
     goes when the decoding sets the pace: "split" (the batch's bytes into JPEGs), "codestreams" (nvImageCodec
     parses the headers), "wait" (for the GPU to finish this thread's last batch, whose buffers this one reuses),
     "decode", "check" (each decoded image's shape checked and its address read), "crop" (the crops resized),
-    "canvases" (the images the workers decoded copied here and, as canvases, resized), "place" (the batch
-    assembled)."""
+    "place" (the batch assembled)."""
 
     def __init__(self, device: torch.device, size: int, threads: int = 2, resize_crops: ResizeCrops | None = None):
         # `resize_crops`: the batched kernels (src/kernels/resized_crop.py), which the caller passes in, as the data
@@ -376,7 +330,6 @@ class DeviceDecoder:
         clock = PhaseClock()
         lengths, meta = batch.pop("jpeg_lengths").tolist(), batch.pop("jpeg_meta")
         flat, decoded, decoded_index = batch.pop("jpeg_bytes"), batch.pop("decoded"), batch.pop("decoded_index")
-        decoded_boxes = batch.pop("decoded_boxes")
         bytes_np, rows = flat.numpy(), meta.tolist()
         jpeg_index, chunks, end = [], [], 0
         for i, length in enumerate(lengths):
@@ -412,14 +365,7 @@ class DeviceDecoder:
                 else:
                     images[torch.tensor(index, device=self.device)] = crops
             if len(decoded_index):
-                pixels = decoded.to(self.device, non_blocking=True)
-                if len(decoded_boxes):  # the workers' canvases, resized here as data.resize_on=device does
-                    pixels = resize_canvases(pixels, decoded_boxes.to(self.device, non_blocking=True), self.size)
-                if len(decoded_index) == len(lengths):
-                    images = pixels
-                else:
-                    images[decoded_index.to(self.device)] = pixels
-                clock.lap("canvases")
+                images[decoded_index.to(self.device)] = decoded.to(self.device, non_blocking=True)
             if len(failed) == len(lengths):
                 raise RuntimeError(f"none of a batch's {len(lengths)} JPEGs could be decoded, on the device or the "
                                    "host: check the shards with scripts/inspect_shards.py, or set "

@@ -106,7 +106,7 @@ def decode_sample_pixels(
     url = sample["__url__"]
     try:
         if device_decode:
-            return jpeg_for_device(sample, size, rng, scale_min, max_pixels, preprocess, canvas)
+            return jpeg_for_device(sample, size, rng, scale_min, max_pixels, preprocess)
         if canvas:
             return decode_for_device(sample, size, rng, scale_min, max_pixels, canvas, preprocess)
         return decode_pixels(sample, frames, size, rng, scale_min, max_pixels, flip, preprocess=preprocess)
@@ -254,8 +254,7 @@ class TrainLoader:
     """Iterates this rank's batches ({"images": uint8 (B, 3, H, W), "tokens": (B, L), "keys": [...]}) and
     knows its own resume position. With `canvas` (src/data/device_crop.py) "images" are (B, 3, canvas, canvas)
     canvases and "boxes" (B, 4) their crops, for `resize_crops` on the training device. With `decoder`
-    (src/data/device_decode.py) the workers ship JPEGs (and, with `canvas` too, the canvases of the images that
-    fit in one), and "images" come decoded and cropped on its device."""
+    (src/data/device_decode.py) the workers ship JPEGs, and "images" come decoded and cropped on its device."""
 
     def __init__(
         self, cfg: DataConfig, *, image_size: int, context_length: int, seed: int, rank: int = 0,

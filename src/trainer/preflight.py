@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 from src.config import DataConfig, LoggerConfig, ModelConfig, TrainConfig, unknown_key_message, unknown_keys
-from src.data.device_crop import device_path_blocker
+from src.data.device_crop import device_path_blocker, resolve_resize_on
 from src.data.device_decode import nvimgcodec_missing, resolve_decode_on
 from src.data.loader import PREFETCH_FACTOR, check_batch_size, image_folder, loader_shared_memory, resolve_sources
 from src.data.processes import check_worker_temp_dir
@@ -240,15 +240,12 @@ SHARED_MEMORY = "/dev/shm"  # where torch's DataLoader puts the batches its work
 def check_loader_shared_memory(cfg: TrainConfig, dist_info: DistInfo) -> None:
     """Refuses a loader whose prefetched batches would not fit in /dev/shm: the workers would die of SIGBUS
     ("bus error") mid-run, as in a container with Docker's default of 64 MB. Ranks of one node share it. JPEGs
-    decoded on the device travel undecoded, of sizes unknown before the run: with data.decode_on=device nothing is
-    checked; under auto, a batch of the canvases that the workers ship for the smaller images is."""
+    decoded on the device travel undecoded, of sizes unknown before the run: that path is not checked."""
     device, world = dist_info.device, dist_info.world_size
-    if not cfg.data.num_workers or not os.path.isdir(SHARED_MEMORY):
+    if not cfg.data.num_workers or not os.path.isdir(SHARED_MEMORY) or resolve_decode_on(cfg.data, device)[0]:
         return
     image_size = cfg.model.vision.image_size
-    on_device, canvas, _ = resolve_decode_on(cfg.data, image_size, device)
-    if on_device and not canvas:
-        return
+    canvas = 0 if cfg.data.frames else resolve_resize_on(cfg.data, image_size, device)[0]
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     need = ranks * loader_shared_memory(cfg.data, image_size, cfg.model.text.context_length, canvas, world)
     free = shutil.disk_usage(SHARED_MEMORY).free

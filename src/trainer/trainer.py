@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config import TrainConfig
-from src.data.device_crop import resize_crops
+from src.data.device_crop import resize_crops, resolve_resize_on
 from src.data.device_decode import DeviceDecoder, resolve_decode_on
 from src.data.image_text import ImageNormalizer, Preprocess
 from src.data.loader import TrainLoader
@@ -154,7 +154,10 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
     model = build_model(cfg, lambda: clip.build_model(cfg.model, device))
     if loader is None:
         image_size = cfg.model.vision.image_size
-        on_device, canvas, where = resolve_decode_on(cfg.data, image_size, device)
+        on_device, where = resolve_decode_on(cfg.data, device)
+        canvas = 0
+        if not on_device:  # the workers decode; they or the device resize the crops
+            canvas, where = resolve_resize_on(cfg.data, image_size, device)
         if dist_info.is_main:
             log.info(where)
         loader = TrainLoader(
