@@ -367,6 +367,7 @@ class ShardSetConfig:
 class EvalConfig:
     every: int
     batch_size: int
+    compile: bool
     held_out: HeldOutEvalConfig
     zeroshot: list[ZeroShotSetConfig]
     retrieval: list[ShardSetConfig]

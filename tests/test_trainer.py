@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from src.trainer.run import last_evaluation
 from tests.conftest import data_overrides, run_train
 
 
@@ -202,3 +203,49 @@ def test_a_run_with_exactly_zero_gradients_stops_and_the_fix_it_names_trains(tmp
     run_train([*run, f"trainer.run_dir={tmp_path / 'near_zero'}", "model.ls_init_value=1e-4"])
     lines = train_lines(tmp_path / "near_zero")
     assert sorted(lines) == list(range(8)) and all(m["train/grad_norm"] > 0 for m in lines.values())
+
+
+def test_an_evaluation_step_is_checkpointed_first_whatever_ckpt_every_says(shapes, tmp_path):
+    """A failure (or a stop past trainer.preempt_deadline_s) inside the evaluation of a step that trainer.ckpt_every
+    does not checkpoint loses no training: that step's checkpoint is written first and owes the evaluation."""
+    from tests.conftest import small_trainer
+
+    run_dir = tmp_path / "run"
+    trainer = small_trainer(shapes, run_dir, "trainer.max_steps=4", "trainer.ckpt_every=0", "eval.every=2",
+                            evaluate=True)
+
+    def failing(model, autocast):
+        raise RuntimeError("the evaluation failed")
+
+    trainer.parts.evaluate = failing
+    with pytest.raises(RuntimeError, match="the evaluation failed"):
+        trainer.fit()
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000002"]
+    state = torch.load(run_dir / "checkpoints/step_00000002/train_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["eval_pending"]
+
+
+def test_evaluation_runs_compiled_blocks_eagerly_unless_eval_compile(shapes, tmp_path, monkeypatch):
+    """Under trainer.compile the first evaluation would compile every block again for inference (minutes on a GPU
+    with a cold cache); by default it runs them eagerly, with the same metrics. Dynamo's graph count is what counts,
+    so its eager backend stands in for Inductor."""
+    from tests.conftest import small_trainer
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
+    metrics = {}
+    for compile_eval in (False, True):
+        run_dir = tmp_path / f"compile-{compile_eval}"
+        trainer = small_trainer(shapes, run_dir, "trainer.compile=true", f"eval.compile={compile_eval}",
+                                evaluate=True)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        trainer.run_eval()
+        trainer.metrics.close()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        # The first and the pooled last block of each tower, in inference.
+        assert graphs >= 4 if compile_eval else graphs == 0, (compile_eval, graphs)
+        metrics[compile_eval] = last_evaluation(str(run_dir))
+    assert metrics[False] and metrics[False].keys() == metrics[True].keys()
+    for key, value in metrics[False].items():
+        assert value == pytest.approx(metrics[True][key], abs=1e-5), key

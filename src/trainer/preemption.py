@@ -39,8 +39,9 @@ class Preemption:
             watchdog.start()
 
     def _expire(self) -> None:
-        print(f"{self.received.name}: the checkpoint was not written within trainer.preempt_deadline_s="
-              f"{self.deadline_s}; exiting without it", file=sys.stderr, flush=True)
+        print(f"{self.received.name}: the run did not stop within trainer.preempt_deadline_s={self.deadline_s} (a "
+              "checkpoint write or an evaluation still running); exiting. trainer.resume=latest continues from the "
+              "newest complete checkpoint", file=sys.stderr, flush=True)
         os._exit(128 + self.received)
 
     def requested(self) -> bool:

@@ -375,12 +375,13 @@ class Trainer:
                 every = self.cfg.eval.every
                 evaluate_now = every > 0 and self.progress.step % every == 0
                 evaluate_now = self.evaluates and (evaluate_now or self.progress.step == cfg.max_steps)
-                # A step's checkpoint comes before its evaluation and records that the evaluation is owed: a crash or a
-                # failure in the evaluation then loses no training, and the resumed run evaluates first. On a stop
-                # signal the evaluation (it can take long) is left to the resumed run.
+                # A step's checkpoint comes before its evaluation, whatever trainer.ckpt_every says, and records that
+                # the evaluation is owed: a crash, a failure or a stop signal in the evaluation then loses no
+                # training, and the resumed run evaluates first. On a stop signal the evaluation (it can take long)
+                # is left to the resumed run.
                 self.progress.eval_pending = evaluate_now
                 due = (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end
-                if stop or due:
+                if stop or due or evaluate_now:
                     self.save()
                 if stop:
                     received = self.preemption.received
@@ -481,14 +482,17 @@ class Trainer:
         }
 
     def run_eval(self) -> None:
-        """The parts' evaluation, logged by rank 0; every rank waits for it."""
-        results = self.parts.evaluate(self.model, self.autocast)
-        if self.ema is not None:
-            # The same evaluation of the averaged weights, swapped into the model on every rank.
-            with self.ema.swapped() as averaged:
-                ema_results = self.parts.evaluate(averaged, self.autocast)
-            if results is not None and ema_results is not None:
-                results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
+        """The parts' evaluation, logged by rank 0; every rank waits for it. Compiled blocks run eagerly unless
+        eval.compile: their inference graphs would be compiled at the first evaluation, which on a GPU with a cold
+        cache stalls the run for minutes."""
+        with contextlib.nullcontext() if self.cfg.eval.compile else torch.compiler.set_stance("force_eager"):
+            results = self.parts.evaluate(self.model, self.autocast)
+            if self.ema is not None:
+                # The same evaluation of the averaged weights, swapped into the model on every rank.
+                with self.ema.swapped() as averaged:
+                    ema_results = self.parts.evaluate(averaged, self.autocast)
+                if results is not None and ema_results is not None:
+                    results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
         if results is not None:
             self.log_eval(results)
         barrier()

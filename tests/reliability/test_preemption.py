@@ -62,7 +62,7 @@ def test_sigterm_and_sigusr1_stop_cleanly_and_the_run_resumes_exactly(shapes, ba
     training.kill(signal.SIGTERM, whole_tree=False)
     assert training.wait() == 128 + signal.SIGTERM
     assert 2 <= time.monotonic() - sent < 10
-    assert "not written within trainer.preempt_deadline_s=2" in training.output()
+    assert "did not stop within trainer.preempt_deadline_s=2" in training.output()
     assert latest_step(run_dir) == 8
 
     train(args, tmp_path / "4.log")
