@@ -104,3 +104,48 @@ def test_int8_variants_at_the_switchback_gpu_presets_shapes(variant, tokens, k, 
         assert torch.isfinite(got).all(), name
         error = ((got - want).norm() / want.norm()).item()
         assert error < 1e-2, f"{variant} {(tokens, k, n)} {name}: relative error {error:.2e}"
+
+
+# The int8 matmuls of experiment=switchback_gpu's evaluation (forward only): the row counts of a partial last batch,
+# of the pooled last block and of zero-shot prompts, which training never runs, at the image tower's (768-wide) and
+# the text tower's (512-wide) layer shapes. That preset's int8 runs were still in their first evaluation minutes after
+# bf16's and fp8's had finished theirs (docs/switchback.md).
+EVAL_ROWS = [1, 16, 20, 32, 272, 640, 4352, 8192]
+EVAL_LAYERS = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (512, 1536), (512, 512), (512, 2048), (2048, 512)]
+EVAL_SCRIPT = """
+import time, torch
+from src.kernels.switchback import kernels
+from src.kernels.switchback import reference as ref
+torch.manual_seed(0)
+for rows in ROWS:
+    for k, n in LAYERS:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda") / k**0.5
+        bias = torch.randn(n, device="cuda")
+        qx, sx = ref.quantize_int8(x, 1)
+        qw, sw = ref.quantize_int8(w, None)
+        want = ref.int8_matmul_dequant(qx, sx, qw.t(), sw.reshape(1, 1), bias, torch.float32)
+        for kernel in ("pointer", "tma"):
+            print(f"{rows} x {k} -> {n} {kernel}", end=" ", flush=True)
+            start = time.perf_counter()
+            got = kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), bias, torch.float32, kernel=kernel)
+            torch.cuda.synchronize()
+            error = ((got - want).norm() / want.norm()).item()
+            print(f"{time.perf_counter() - start:.2f} s, relative error {error:.1e}", flush=True)
+            assert torch.isfinite(got).all() and error < 1e-5, (rows, k, n, kernel, error)
+"""
+
+
+def test_int8_matmul_at_the_evaluations_row_counts_finishes_and_is_right():
+    """Each shape's first call autotunes it; the whole sweep runs in a subprocess, so that a kernel that never
+    finishes fails the test with the stacks and the shape it reached, instead of hanging the suite."""
+    import os
+    import sys
+
+    from tests.conftest import ROOT, run_with_stacks
+
+    script = EVAL_SCRIPT.replace("ROWS", repr(EVAL_ROWS)).replace("LAYERS", repr(EVAL_LAYERS))
+    result = run_with_stacks([sys.executable, "-c", script], timeout=600, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT})
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
