@@ -236,13 +236,14 @@ def plot(runs: list[Run], out: Path) -> None:
 
 def summary(run: Run) -> dict[str, Any]:
     """A run's figures: steps, the mean loss of its last 10 logged steps, the detector's counts (spikes.jsonl),
-    the share of loss spikes preceded by a patch-embedding RMS spike, the last zero-shot top-1, the median
+    the share of loss spikes preceded by a patch-embedding RMS spike, the last zero-shot top-1 and its step (a
+    run stopped before its final evaluation has an earlier one), the median
     step time over the run's second half (the first windows include compilation), and the tensors that loss
     events name as the largest update before them, most often named first."""
     steps, losses = run.series(LOSS)
     loss_events = [e for e in run.spikes if e.get("type") == "loss"]
     preceded = sum(bool(e.get("preceded_by_rms_spike")) for e in loss_events)
-    top1 = run.series("eval/zeroshot_top1")[1]
+    top1_steps, top1 = run.series("eval/zeroshot_top1")
     rate_steps, rates = run.series("train/samples_per_s", positive=True)
     late = sorted(r for s, r in zip(rate_steps, rates) if s > rate_steps[-1] / 2) if rates else []
     final = [x for x in losses[-10:] if math.isfinite(x)]
@@ -253,7 +254,7 @@ def summary(run: Run) -> dict[str, Any]:
         "final_loss": sum(final) / len(final) if final else None,
         "loss_spikes": len(loss_events), "rms_spikes": sum(e.get("type") == "rms" for e in run.spikes),
         "preceded": preceded, "preceded_share": preceded / len(loss_events) if loss_events else None,
-        "zeroshot_top1": top1[-1] if top1 else None,
+        "zeroshot_top1": top1[-1] if top1 else None, "zeroshot_step": int(top1_steps[-1]) if top1 else None,
         "samples_per_s": late[len(late) // 2] if late else None,
         "step_ms": 1000 * run.batch_size / late[len(late) // 2] if late and run.batch_size else None,
         "largest_rms_tensors": ",".join(f"{name}:{n}" for name, n in leaders.most_common()) or None,
@@ -290,7 +291,8 @@ def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
 
 
 def seed_summary(name: str, runs: list[Run]) -> dict[str, Any]:
-    """A group's seeds and, for each of SEED_FIGURES, the mean over its runs and its range."""
+    """A group's seeds and, for each of SEED_FIGURES, the mean over its runs and its range; and the steps of the
+    zero-shot figures it averages, which differ where a run stopped before its final evaluation."""
     rows = [summary(run) for run in runs]
     out: dict[str, Any] = {"group": name, "runs": len(runs),
                            "seeds": ",".join(str(run.config.get("trainer.seed", "?")) for run in runs)}
@@ -298,6 +300,8 @@ def seed_summary(name: str, runs: list[Run]) -> dict[str, Any]:
         values = [row[figure] for row in rows if row[figure] is not None]
         out[figure] = sum(values) / len(values) if values else None
         out[f"{figure}_range"] = f"{min(values):.4g}..{max(values):.4g}" if values else None
+    steps = sorted({row["zeroshot_step"] for row in rows if row["zeroshot_step"] is not None})
+    out["zeroshot_steps"] = ",".join(map(str, steps)) or None
     return out
 
 

@@ -195,7 +195,7 @@ def test_summary_gives_the_runs_figures(tmp_path, capsys):
     losses = [5.0 * math.exp(-s / 150) for s in range(282, 300, 2)]  # the last 10 lines; step 300's NaN left out
     assert row["steps"] == 300 and row["final_loss"] == pytest.approx(sum(losses) / len(losses))
     assert (row["loss_spikes"], row["rms_spikes"], row["preceded"], row["preceded_share"]) == (2, 1, 1, 0.5)
-    assert row["zeroshot_top1"] == pytest.approx(250 / 300)
+    assert row["zeroshot_top1"] == pytest.approx(250 / 300) and row["zeroshot_step"] == 250
     assert row["samples_per_s"] == 401.0 and row["step_ms"] == pytest.approx(1000 * 2048 / 401.0)
     assert row["largest_rms_tensors"] == "visual.conv1.weight:1"  # the other event names none (an older file)
     assert plot_run.main(["--summary", str(run_dir)]) == 0
@@ -224,7 +224,7 @@ def test_seeds_group_the_runs_of_one_configuration(tmp_path, capsys):
                                                             ("model.linear=switchback_fp8", 2)]
     standard = plot_run.seed_summary(*groups[0])
     single = plot_run.summary(plot_run.load_run(dirs[0]))["final_loss"]
-    assert standard["runs"] == 2 and standard["seeds"] == "0,1"
+    assert standard["runs"] == 2 and standard["seeds"] == "0,1" and standard["zeroshot_steps"] == "250"
     assert standard["final_loss"] == pytest.approx(single + 0.05)
     assert standard["final_loss_range"] == f"{single:.4g}..{single + 0.1:.4g}"
     assert plot_run.seed_summary(*groups[1])["final_loss"] == pytest.approx(single + 0.55)
