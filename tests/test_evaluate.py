@@ -234,3 +234,22 @@ def test_evaluation_shared_out_over_two_ranks_gives_the_single_process_results(s
         assert got.keys() == want.keys(), out
         for key, value in want.items():
             assert got[key] == pytest.approx(value, abs=1e-6), (out, key)
+
+
+def test_a_run_shows_the_evaluations_progress_and_logs_its_duration(shapes, tmp_path, capsys):
+    """Under trainer.progress the evaluation counts its batches and the zero-shot prompts on bars of its own (the
+    training bar stands still meanwhile), and its log line ends with how long it took."""
+    from tests.conftest import small_trainer
+
+    trainer = small_trainer(shapes, tmp_path / "run", "trainer.progress=true", "eval.batch_size=32", evaluate=True)
+    with pytest.MonkeyPatch.context() as patch:
+        messages = []
+        patch.setattr(trainer.metrics, "message", messages.append)
+        trainer.run_eval()
+    trainer.metrics.close()
+    err = capsys.readouterr().err
+    assert "evaluating data.eval_shards:" in err
+    assert "zero-shot prompts:   0%" in err  # a bar with a total: the prompt batches are known in advance
+    (line,) = messages
+    assert line.startswith("step 0 eval: ") and "zeroshot_top1=" in line
+    assert float(line.rsplit("(", 1)[1].removesuffix(" s)")) > 0

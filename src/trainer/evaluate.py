@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from open_clip.tokenizer import tokenize
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
+from tqdm import tqdm
 
 from src.config import TrainConfig
 from src.data.image_text import Preprocess
@@ -209,10 +210,17 @@ class Encoder:
         return None if idle else features
 
 
-def set_features(encoder: Encoder, batches: EvalBatches, captions: bool) -> dict[str, torch.Tensor]:
+def progress_bar(items: Iterable, desc: str, shown: bool, total: int | None = None) -> Iterable:
+    """`items`, counted on a transient progress bar where `shown` (rank 0 under trainer.progress): an evaluation
+    of a large set takes minutes, and the training bar stands still meanwhile."""
+    return tqdm(items, desc=desc, total=total, unit="batch", leave=False, dynamic_ncols=True, disable=not shown)
+
+
+def set_features(encoder: Encoder, batches: EvalBatches, captions: bool, key: str,
+                 progress: bool) -> dict[str, torch.Tensor]:
     """Image (and text) features, labels and bad-data counts of the whole set, in its order, on every rank."""
     parts: dict[str, list[torch.Tensor]] = {"images": [], "texts": [], "labels": [], "order": []}
-    for batch in in_lockstep(batches, encoder.lockstep):
+    for batch in progress_bar(in_lockstep(batches, encoder.lockstep), f"evaluating {key}", progress):
         images = encoder.images(None if batch is None else batch["images"])
         texts = encoder.texts(None if batch is None else batch["tokens"]) if captions else None
         if batch is None:
@@ -230,14 +238,15 @@ def set_features(encoder: Encoder, batches: EvalBatches, captions: bool) -> dict
     return {name: value[place] for name, value in gathered.items()}
 
 
-def class_embeddings(encoder: Encoder, names: list[str], templates: list[str], batch_size: int) -> torch.Tensor:
+def class_embeddings(encoder: Encoder, names: list[str], templates: list[str], batch_size: int,
+                     progress: bool) -> torch.Tensor:
     """(classes, D): each class's normalized mean embedding over its prompts. Rank r encodes every world-th class."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(names), world))
     per_forward = max(1, batch_size // len(templates))
     chunks = [mine[i : i + per_forward] for i in range(0, len(mine), per_forward)]
     embeddings, indices = [], []
-    for chunk in in_lockstep(chunks, encoder.lockstep):
+    for chunk in progress_bar(in_lockstep(chunks, encoder.lockstep), "zero-shot prompts", progress, len(chunks)):
         tokens = None if chunk is None else tokenize([t.format(names[c]) for c in chunk for t in templates],
                                                      encoder.context_length)
         features = encoder.texts(tokens)
@@ -288,12 +297,12 @@ def evaluate(
     model: CLIP, sets: list[EvalSet], *, loss: FeatureLoss, batch_size: int, image_size: int, context_length: int,
     num_workers: int, max_image_pixels: int | None, retries: int, device: torch.device,
     prepare_images: Callable[[torch.Tensor], torch.Tensor], autocast, lockstep: bool,
-    solo_group: dist.ProcessGroup | None, is_main: bool, preprocess: Preprocess,
+    solo_group: dist.ProcessGroup | None, is_main: bool, preprocess: Preprocess, progress: bool,
 ) -> dict[str, float] | None:
     """Every rank calls this (collective when several run); rank 0 gets the results, the others None. `loss`
     gives the validation loss, run by rank 0 alone over `solo_group` (a group of rank 0 only, None in one
     process). Skipped samples are counted by reason as <prefix>bad/<reason>. `preprocess`: the run's, of which
-    evaluation takes the deterministic transform."""
+    evaluation takes the deterministic transform. `progress`: show progress bars (on the rank that logs)."""
     was_training = model.training
     model.eval()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -307,12 +316,12 @@ def evaluate(
         else:
             batches = eval_batches(eval_set.path, context_length=context_length, retries=retries,
                                    captions=eval_set.captions, key=eval_set.key, **common)
-        features = set_features(encoder, batches, eval_set.captions)
+        features = set_features(encoder, batches, eval_set.captions, eval_set.key, progress)
         bad = gather_counts(batches.bad_counts())
         classes = None
         if eval_set.zeroshot:
             names, templates = class_prompts(eval_set)
-            classes = class_embeddings(encoder, names, templates, batch_size)
+            classes = class_embeddings(encoder, names, templates, batch_size, progress)
         if is_main and not len(features["images"]):
             log.warning("%s (%s): no sample could be read (skipped: %s)", eval_set.key, eval_set.path, bad)
         if is_main:

@@ -206,6 +206,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
                 max_image_pixels=cfg.data.max_image_pixels, retries=cfg.data.shard_retries, device=device,
                 prepare_images=normalize, autocast=autocast, lockstep=shards_model(cfg, dist_info),
                 solo_group=solo_group, is_main=dist_info.is_main, preprocess=Preprocess.from_config(cfg.data),
+                progress=cfg.trainer.progress and dist_info.is_main,
             )
 
     return TrainParts(model, loader, loss, evaluate_images, spike_parameter(model, forward_order(image_tower(model))),
@@ -485,6 +486,7 @@ class Trainer:
         """The parts' evaluation, logged by rank 0; every rank waits for it. Compiled blocks run eagerly unless
         eval.compile: their inference graphs would be compiled at the first evaluation, which on a GPU with a cold
         cache stalls the run for minutes."""
+        start = time.perf_counter()
         with contextlib.nullcontext() if self.cfg.eval.compile else torch.compiler.set_stance("force_eager"):
             results = self.parts.evaluate(self.model, self.autocast)
             if self.ema is not None:
@@ -494,15 +496,16 @@ class Trainer:
                 if results is not None and ema_results is not None:
                     results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
         if results is not None:
-            self.log_eval(results)
+            self.log_eval(results, time.perf_counter() - start)
         barrier()
 
-    def log_eval(self, results: dict[str, float]) -> None:
+    def log_eval(self, results: dict[str, float], seconds: float) -> None:
         step = self.progress.step
         self.metrics.log(step, results)
         self.metrics.flush(step, {})
         self.metrics.message(
             f"step {step} eval: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in results.items())
+            + f" ({seconds:.1f} s)"
         )
 
     def save(self) -> None:

@@ -90,6 +90,7 @@ def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
             context_length=cfg.model.text.context_length, num_workers=cfg.data.num_workers, device=device,
             prepare_images=normalize, autocast=autocast, max_image_pixels=cfg.data.max_image_pixels,
             retries=cfg.data.shard_retries, group=mesh.sp_group, preprocess=Preprocess.from_config(cfg.data),
+            progress=cfg.trainer.progress and dist_info.is_main,
         )
         return results if dist_info.is_main else None
 
