@@ -250,6 +250,7 @@ def test_a_run_shows_the_evaluations_progress_and_logs_its_duration(shapes, tmp_
     err = capsys.readouterr().err
     assert "evaluating data.eval_shards:" in err
     assert "zero-shot prompts:   0%" in err  # a bar with a total: the prompt batches are known in advance
-    (line,) = messages
+    started, line = messages
+    assert started == "step 0: evaluating"
     assert line.startswith("step 0 eval: ") and "zeroshot_top1=" in line
     assert float(line.rsplit("(", 1)[1].removesuffix(" s)")) > 0

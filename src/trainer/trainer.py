@@ -487,6 +487,8 @@ class Trainer:
         eval.compile: their inference graphs would be compiled at the first evaluation, which on a GPU with a cold
         cache stalls the run for minutes."""
         start = time.perf_counter()
+        # A line before it too: an evaluation can take minutes, and without a progress bar the log is silent then.
+        self.metrics.message(f"step {self.progress.step}: evaluating")
         with contextlib.nullcontext() if self.cfg.eval.compile else torch.compiler.set_stance("force_eager"):
             results = self.parts.evaluate(self.model, self.autocast)
             if self.ema is not None:
