@@ -127,7 +127,7 @@ def test_the_validation_loss_is_the_training_loss_of_the_held_out_batches(shapes
         chunks = [{name: batch[name][i : i + 32] for name in ("images", "tokens")} for i in range(0, 100, 32)]
         losses = [(parts.loss(parts.model, chunk), len(chunk["images"])) for chunk in chunks]
     want = sum(loss.item() * n for loss, n in losses) / 100
-    results = parts.evaluate(parts.model, contextlib.nullcontext)
+    results = parts.evaluate(parts.model, contextlib.nullcontext, None)
     assert results["eval/val_loss"] == pytest.approx(want, rel=1e-6)
     assert 0 <= results["eval/zeroshot_top1"] <= results["eval/zeroshot_top5"] <= 1
 
@@ -204,7 +204,7 @@ def rank_split_worker(rank: int, port: int, runs: list[tuple[list[str], str]]) -
         parts = image_text_parts(cfg, DistInfo(rank, WORLD, rank, torch.device("cpu")))
         if cfg.trainer.data_parallel == "fsdp2":
             apply_fsdp(parts.model, init_device_mesh("cpu", (WORLD,)))
-        results = parts.evaluate(parts.model, contextlib.nullcontext)
+        results = parts.evaluate(parts.model, contextlib.nullcontext, None)
         assert (results is None) == (rank != 0)
         if rank == 0:
             with open(out, "w") as f:
@@ -221,7 +221,7 @@ def test_evaluation_shared_out_over_two_ranks_gives_the_single_process_results(s
     bad = bad_held_out_shards(shapes, tmp_path)
     overrides = rank_split_overrides(shapes, image_folder, bad)
     parts = image_text_parts(compose_config(overrides), CPU)
-    want = parts.evaluate(parts.model, contextlib.nullcontext)
+    want = parts.evaluate(parts.model, contextlib.nullcontext, None)
     assert {"eval/zeroshot_top1", "eval/i2t_r10", "eval/val_loss", "eval/folder/zeroshot_top5"} <= want.keys()
     assert want["eval/bad/corrupt_image"] == want["eval/bad/truncated_shard"] == 1  # one from each rank's share
     runs = [(overrides, str(tmp_path / "ddp.json")),

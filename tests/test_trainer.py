@@ -214,7 +214,7 @@ def test_an_evaluation_step_is_checkpointed_first_whatever_ckpt_every_says(shape
     trainer = small_trainer(shapes, run_dir, "trainer.max_steps=4", "trainer.ckpt_every=0", "eval.every=2",
                             evaluate=True)
 
-    def failing(model, autocast):
+    def failing(model, autocast, stop):
         raise RuntimeError("the evaluation failed")
 
     trainer.parts.evaluate = failing
@@ -249,3 +249,40 @@ def test_evaluation_runs_compiled_blocks_eagerly_unless_eval_compile(shapes, tmp
     assert metrics[False] and metrics[False].keys() == metrics[True].keys()
     for key, value in metrics[False].items():
         assert value == pytest.approx(metrics[True][key], abs=1e-5), key
+
+
+def test_a_stop_signal_during_an_evaluation_ends_it_and_the_resumed_run_evaluates_first(shapes, tmp_path):
+    """One process: SIGTERM arriving during the evaluation of step 2 (not a trainer.ckpt_every step) ends it before
+    its next forward, and the run stops with that step's checkpoint, written first, which owes the evaluation. The
+    resumed run evaluates step 2 first and finishes."""
+    import signal
+
+    from tests.conftest import small_trainer
+
+    run_dir = tmp_path / "run"
+    extra = ("trainer.max_steps=4", "trainer.ckpt_every=0", "eval.every=2", "eval.batch_size=32")
+    trainer = small_trainer(shapes, run_dir, *extra, evaluate=True)
+    evaluate, asked, messages = trainer.parts.evaluate, [], []
+
+    def signalled(model, autocast, stop):
+        trainer.preemption.received = signal.SIGTERM  # what the handler records
+
+        def counted() -> bool:
+            asked.append(stop())
+            return asked[-1]
+
+        return evaluate(model, autocast, counted)
+
+    trainer.parts.evaluate = signalled
+    trainer.metrics.message = messages.append
+    trainer.fit()
+    assert asked == [True]  # stopped before the first forward
+    assert messages[-1] == ("stopped at step 2 on SIGTERM, in its evaluation, which the resumed run does first; "
+                            "continue with trainer.resume=latest")
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000002"]
+    assert torch.load(run_dir / "checkpoints/step_00000002/train_state.pt", weights_only=True)["eval_pending"]
+    assert not [m for m in read_metrics(run_dir) if "eval/zeroshot_top1" in m]
+
+    small_trainer(shapes, run_dir, *extra, "trainer.resume=latest", evaluate=True).fit()
+    assert [m["step"] for m in read_metrics(run_dir) if "eval/zeroshot_top1" in m] == [2, 4]
+    assert [m["step"] for m in read_metrics(run_dir) if "train/loss" in m] == [0, 1, 2, 3]

@@ -183,7 +183,7 @@ def gather_counts(counts: dict[str, int]) -> dict[str, int]:
 
 @dataclass
 class Encoder:
-    """The model and how a forward runs in the evaluation."""
+    """The model, how a forward runs in the evaluation, and whether it is to stop (`until_stopped`)."""
 
     model: CLIP
     device: torch.device
@@ -192,6 +192,7 @@ class Encoder:
     image_size: int
     context_length: int
     lockstep: bool
+    stop: Callable[[], bool] | None
 
     def images(self, images: torch.Tensor | None) -> torch.Tensor | None:
         idle = images is None
@@ -210,6 +211,20 @@ class Encoder:
         return None if idle else features
 
 
+class EvaluationStopped(Exception):
+    """A stop signal came during an evaluation: the evaluation is left to the resumed run."""
+
+
+def until_stopped(items: Iterable, stop: Callable[[], bool] | None) -> Iterator:
+    """`items`, raising EvaluationStopped before the next one once `stop()` says so (None: never). A local check,
+    for one process only: with several, a rank that left on its own would leave the others waiting in the next
+    collective."""
+    for item in items:
+        if stop is not None and stop():
+            raise EvaluationStopped
+        yield item
+
+
 def progress_bar(items: Iterable, desc: str, shown: bool, total: int | None = None) -> Iterable:
     """`items`, counted on a transient progress bar where `shown` (rank 0 under trainer.progress): an evaluation
     of a large set takes minutes, and the training bar stands still meanwhile."""
@@ -220,7 +235,8 @@ def set_features(encoder: Encoder, batches: EvalBatches, captions: bool, key: st
                  progress: bool) -> dict[str, torch.Tensor]:
     """Image (and text) features, labels and bad-data counts of the whole set, in its order, on every rank."""
     parts: dict[str, list[torch.Tensor]] = {"images": [], "texts": [], "labels": [], "order": []}
-    for batch in progress_bar(in_lockstep(batches, encoder.lockstep), f"evaluating {key}", progress):
+    batches_in_step = until_stopped(in_lockstep(batches, encoder.lockstep), encoder.stop)
+    for batch in progress_bar(batches_in_step, f"evaluating {key}", progress):
         images = encoder.images(None if batch is None else batch["images"])
         texts = encoder.texts(None if batch is None else batch["tokens"]) if captions else None
         if batch is None:
@@ -246,7 +262,8 @@ def class_embeddings(encoder: Encoder, names: list[str], templates: list[str], b
     per_forward = max(1, batch_size // len(templates))
     chunks = [mine[i : i + per_forward] for i in range(0, len(mine), per_forward)]
     embeddings, indices = [], []
-    for chunk in progress_bar(in_lockstep(chunks, encoder.lockstep), "zero-shot prompts", progress, len(chunks)):
+    chunks_in_step = until_stopped(in_lockstep(chunks, encoder.lockstep), encoder.stop)
+    for chunk in progress_bar(chunks_in_step, "zero-shot prompts", progress, len(chunks)):
         tokens = None if chunk is None else tokenize([t.format(names[c]) for c in chunk for t in templates],
                                                      encoder.context_length)
         features = encoder.texts(tokens)
@@ -298,15 +315,17 @@ def evaluate(
     num_workers: int, max_image_pixels: int | None, retries: int, device: torch.device,
     prepare_images: Callable[[torch.Tensor], torch.Tensor], autocast, lockstep: bool,
     solo_group: dist.ProcessGroup | None, is_main: bool, preprocess: Preprocess, progress: bool,
+    stop: Callable[[], bool] | None,
 ) -> dict[str, float] | None:
     """Every rank calls this (collective when several run); rank 0 gets the results, the others None. `loss`
     gives the validation loss, run by rank 0 alone over `solo_group` (a group of rank 0 only, None in one
     process). Skipped samples are counted by reason as <prefix>bad/<reason>. `preprocess`: the run's, of which
-    evaluation takes the deterministic transform. `progress`: show progress bars (on the rank that logs)."""
+    evaluation takes the deterministic transform. `progress`: show progress bars (on the rank that logs). `stop`:
+    asked before each forward; EvaluationStopped is raised once it says so (None: never; see `until_stopped`)."""
     was_training = model.training
     model.eval()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    encoder = Encoder(model, device, prepare_images, autocast, image_size, context_length, lockstep)
+    encoder = Encoder(model, device, prepare_images, autocast, image_size, context_length, lockstep, stop)
     results: dict[str, float] = {}
     for eval_set in sets:
         common = dict(batch_size=batch_size, image_size=image_size, num_workers=num_workers,

@@ -39,7 +39,7 @@ from src.parallel.parallelize import apply_compile, apply_fsdp, unsharded_root
 from src.trainer import checkpoint
 from src.trainer.cuda_graph import GraphedForwardBackward
 from src.trainer.ema import EMA_FILE, ModelEMA
-from src.trainer.evaluate import eval_sets, evaluate
+from src.trainer.evaluate import EvaluationStopped, eval_sets, evaluate
 from src.trainer.fast_path import resolve_compile, resolve_fast_path
 from src.trainer.grad_cache import Features, FeaturesFn, FeaturesLoss, accumulate_gradients
 from src.trainer.loss import contrastive_loss
@@ -83,8 +83,9 @@ class TrainParts:
 
     - `loss(forward_model, batch)`: the training loss of one batch (called under autocast; `forward_model` is
       the model as the Trainer wrapped it for data parallelism).
-    - `evaluate(model, autocast)`: the evaluation's results on the rank that logs them, None on the others
-      (which may still take part).
+    - `evaluate(model, autocast, stop)`: the evaluation's results on the rank that logs them, None on the others
+      (which may still take part); `stop` (or None) is asked before each forward, and EvaluationStopped raised
+      once it says so.
     - `patch_embed`: the parameter whose update RMS spike detection follows.
     - `features(forward_model, batch)` and `features_loss(features)`, where the loss is a function of per-sample
       features (and the model's 0-dim scalars): `loss` split in two, for trainer.accum_steps > 1
@@ -93,7 +94,8 @@ class TrainParts:
     model: nn.Module
     loader: Loader
     loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-    evaluate: Callable[[nn.Module, Callable[[], contextlib.AbstractContextManager]], dict[str, float] | None]
+    evaluate: Callable[[nn.Module, Callable[[], contextlib.AbstractContextManager], Callable[[], bool] | None],
+                       dict[str, float] | None]
     patch_embed: str
     features: FeaturesFn | None = None
     features_loss: FeaturesLoss | None = None
@@ -193,7 +195,8 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
     def loss(forward_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return features_loss(features(forward_model, batch))
 
-    def evaluate_images(model: nn.Module, autocast: Callable) -> dict[str, float] | None:
+    def evaluate_images(model: nn.Module, autocast: Callable, stop: Callable[[], bool] | None,
+                        ) -> dict[str, float] | None:
         """On every rank, each encoding its share of each set, on the unwrapped model; rank 0 gets the results."""
         def val_loss(image_features, text_features, group):
             bias = () if model.logit_bias is None else (model.logit_bias.detach().cpu(),)
@@ -206,7 +209,7 @@ def image_text_parts(cfg: TrainConfig, dist_info: DistInfo, loader: Loader | Non
                 max_image_pixels=cfg.data.max_image_pixels, retries=cfg.data.shard_retries, device=device,
                 prepare_images=normalize, autocast=autocast, lockstep=shards_model(cfg, dist_info),
                 solo_group=solo_group, is_main=dist_info.is_main, preprocess=Preprocess.from_config(cfg.data),
-                progress=cfg.trainer.progress and dist_info.is_main,
+                progress=cfg.trainer.progress and dist_info.is_main, stop=stop,
             )
 
     return TrainParts(model, loader, loss, evaluate_images, spike_parameter(model, forward_order(image_tower(model))),
@@ -358,7 +361,9 @@ class Trainer:
         pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         window_start = time.perf_counter()
         if self.progress.eval_pending:
-            self.run_eval()
+            if not self.run_eval():
+                self.metrics.close()
+                return
             self.progress.eval_pending = False
         with contextlib.closing(self.loader):  # its workers and decode threads end with the loop, however it ends
             while self.progress.step < end:
@@ -379,19 +384,16 @@ class Trainer:
                 # A step's checkpoint comes before its evaluation, whatever trainer.ckpt_every says, and records that
                 # the evaluation is owed: a crash, a failure or a stop signal in the evaluation then loses no
                 # training, and the resumed run evaluates first. On a stop signal the evaluation (it can take long)
-                # is left to the resumed run.
+                # is left to the resumed run, and so is the rest of one that the signal interrupts.
                 self.progress.eval_pending = evaluate_now
                 due = (cfg.ckpt_every > 0 and self.progress.step % cfg.ckpt_every == 0) or self.progress.step == end
                 if stop or due or evaluate_now:
                     self.save()
                 if stop:
-                    received = self.preemption.received
-                    cause = received.name if received else "a signal to another rank"
-                    self.metrics.message(f"stopped at step {self.progress.step} on {cause}; continue with "
-                                         "trainer.resume=latest")
+                    self.stopped("")
                     break
-                if evaluate_now:
-                    self.run_eval()
+                if evaluate_now and not self.run_eval():
+                    break
                 self.progress.eval_pending = False
         self.metrics.close()
 
@@ -482,24 +484,38 @@ class Trainer:
             "spike/loss_spikes_preceded": counts["loss_spikes_preceded"],
         }
 
-    def run_eval(self) -> None:
+    def stopped(self, where: str) -> None:
+        received = self.preemption.received
+        cause = received.name if received else "a signal to another rank"
+        self.metrics.message(f"stopped at step {self.progress.step} on {cause}{where}; continue with "
+                             "trainer.resume=latest")
+
+    def run_eval(self) -> bool:
         """The parts' evaluation, logged by rank 0; every rank waits for it. Compiled blocks run eagerly unless
         eval.compile: their inference graphs would be compiled at the first evaluation, which on a GPU with a cold
-        cache stalls the run for minutes."""
+        cache stalls the run for minutes. In one process a stop signal ends it before the next forward (False): the
+        step's checkpoint, written before it, owes it to the resumed run. With several, ranks stop only between
+        steps, all at once, and a signal during an evaluation waits for its end."""
         start = time.perf_counter()
         # A line before it too: an evaluation can take minutes, and without a progress bar the log is silent then.
         self.metrics.message(f"step {self.progress.step}: evaluating")
-        with contextlib.nullcontext() if self.cfg.eval.compile else torch.compiler.set_stance("force_eager"):
-            results = self.parts.evaluate(self.model, self.autocast)
-            if self.ema is not None:
-                # The same evaluation of the averaged weights, swapped into the model on every rank.
-                with self.ema.swapped() as averaged:
-                    ema_results = self.parts.evaluate(averaged, self.autocast)
-                if results is not None and ema_results is not None:
-                    results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
+        stop = (lambda: self.preemption.received is not None) if self.dist.world_size == 1 else None
+        try:
+            with contextlib.nullcontext() if self.cfg.eval.compile else torch.compiler.set_stance("force_eager"):
+                results = self.parts.evaluate(self.model, self.autocast, stop)
+                if self.ema is not None:
+                    # The same evaluation of the averaged weights, swapped into the model on every rank.
+                    with self.ema.swapped() as averaged:
+                        ema_results = self.parts.evaluate(averaged, self.autocast, stop)
+                    if results is not None and ema_results is not None:
+                        results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
+        except EvaluationStopped:
+            self.stopped(", in its evaluation, which the resumed run does first")
+            return False
         if results is not None:
             self.log_eval(results, time.perf_counter() - start)
         barrier()
+        return True
 
     def log_eval(self, results: dict[str, float], seconds: float) -> None:
         step = self.progress.step

@@ -11,7 +11,7 @@ from src.data.image_text import Preprocess
 from src.data.loader import eval_batches
 from src.models.video_clip import VideoCLIP
 from src.parallel.distributed import all_gather_columns
-from src.trainer.evaluate import progress_bar, recall_at
+from src.trainer.evaluate import progress_bar, recall_at, until_stopped
 
 KS = (1, 5, 10)
 # Elements of the head's widest activation (the MLP's hidden layer) per chunk of clips scored at once.
@@ -32,20 +32,21 @@ def evaluate_video(
     model: VideoCLIP, eval_pattern: str, *, frames: slice, total_frames: int, batch_size: int, image_size: int,
     context_length: int, num_workers: int, device: torch.device, prepare_images: Callable[[torch.Tensor], torch.Tensor],
     autocast, max_image_pixels: int | None, retries: int, group: dist.ProcessGroup | None = None,
-    preprocess: Preprocess, progress: bool,
+    preprocess: Preprocess, progress: bool, stop: Callable[[], bool] | None,
 ) -> dict[str, float]:
     """Every rank of `group` (a sequence-parallel group) calls this with its share `frames` of each clip's
     frames; all get the results. Clips are scored against every held-out caption: by the model's head
     (eval/t2v_r1, ...) and by the frame-averaged CLIP embedding, the mean-pooling baseline
     (eval/meanpool_t2v_r1, ...; for a model without a head this is its only score, eval/t2v_r1, ...). Clips that
-    cannot be read are skipped and counted as eval/bad/<reason>. `progress`: show a progress bar."""
+    cannot be read are skipped and counted as eval/bad/<reason>. `progress`: show a progress bar; `stop`: as for
+    src.trainer.evaluate.evaluate."""
     was_training = model.training
     model.eval()
     visual, videos, queries, weights, texts = [], [], [], [], []
     batches = eval_batches(eval_pattern, batch_size=batch_size, image_size=image_size, context_length=context_length,
                            num_workers=num_workers, frames=total_frames, max_image_pixels=max_image_pixels,
                            retries=retries, preprocess=preprocess)
-    for batch in progress_bar(batches, "evaluating data.eval_shards", progress):
+    for batch in progress_bar(until_stopped(batches, stop), "evaluating data.eval_shards", progress):
         with autocast():
             clip_tokens, video = model.encode_video(
                 prepare_images(batch["images"][:, frames].to(device)), frames.start, group)

@@ -80,7 +80,7 @@ def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
         out = forward_model(frames, tokens, first_frame=frame_slice.start, group=mesh.sp_group, gather=gather)
         return video_text_loss(out, cfg.model.video, mesh.dp_group, mesh.sp_group)
 
-    def evaluate(model: VideoCLIP, autocast: Callable) -> dict[str, float] | None:
+    def evaluate(model: VideoCLIP, autocast: Callable, stop: Callable[[], bool] | None) -> dict[str, float] | None:
         """On the ranks of rank 0's sequence-parallel group (each encodes its frames); the others wait."""
         if mesh.dp_rank != 0:
             return None
@@ -90,7 +90,7 @@ def video_parts(cfg: TrainConfig, dist_info: DistInfo) -> TrainParts:
             context_length=cfg.model.text.context_length, num_workers=cfg.data.num_workers, device=device,
             prepare_images=normalize, autocast=autocast, max_image_pixels=cfg.data.max_image_pixels,
             retries=cfg.data.shard_retries, group=mesh.sp_group, preprocess=Preprocess.from_config(cfg.data),
-            progress=cfg.trainer.progress and dist_info.is_main,
+            progress=cfg.trainer.progress and dist_info.is_main, stop=stop,
         )
         return results if dist_info.is_main else None
 

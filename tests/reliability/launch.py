@@ -109,7 +109,7 @@ def inject_pauses(pause) -> None:
     def pausing_eval(self):
         if self.dist.is_main:
             pause("eval", self.progress.step)
-        run_eval(self)
+        return run_eval(self)
 
     fsync_save, retire_old = checkpoint.fsync_save, checkpoint.retire_old
 
