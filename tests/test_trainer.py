@@ -276,7 +276,7 @@ def test_a_stop_signal_during_an_evaluation_ends_it_and_the_resumed_run_evaluate
     trainer.parts.evaluate = signalled
     trainer.metrics.message = messages.append
     trainer.fit()
-    assert asked == [True]  # stopped before the first forward
+    assert asked == [True] and trainer.model.training  # stopped before the first forward, back in training mode
     assert messages[-1] == ("stopped at step 2 on SIGTERM, in its evaluation, which the resumed run does first; "
                             "continue with trainer.resume=latest")
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000002"]

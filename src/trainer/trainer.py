@@ -510,6 +510,7 @@ class Trainer:
                     if results is not None and ema_results is not None:
                         results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
         except EvaluationStopped:
+            self.model.train()  # the evaluation had switched it to eval mode
             self.stopped(", in its evaluation, which the resumed run does first")
             return False
         if results is not None:
