@@ -9,6 +9,7 @@ so a rank whose share ran out runs idle forwards until all are done."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -225,6 +226,20 @@ def until_stopped(items: Iterable, stop: Callable[[], bool] | None) -> Iterator:
         yield item
 
 
+def in_eval_mode(function: Callable) -> Callable:
+    """`function(model, ...)` run with `model` in eval mode, and in its own mode again after it, however it ends (a
+    stopped evaluation raises)."""
+    @functools.wraps(function)
+    def wrapped(model: torch.nn.Module, *args, **kwargs):
+        was_training = model.training
+        model.eval()
+        try:
+            return function(model, *args, **kwargs)
+        finally:
+            model.train(was_training)
+    return wrapped
+
+
 def progress_bar(items: Iterable, desc: str, shown: bool, total: int | None = None) -> Iterable:
     """`items`, counted on a transient progress bar where `shown` (rank 0 under trainer.progress): an evaluation
     of a large set takes minutes, and the training bar stands still meanwhile."""
@@ -310,6 +325,7 @@ def set_metrics(eval_set: EvalSet, features: dict[str, torch.Tensor], classes: t
 
 
 @torch.no_grad()
+@in_eval_mode
 def evaluate(
     model: CLIP, sets: list[EvalSet], *, loss: FeatureLoss, batch_size: int, image_size: int, context_length: int,
     num_workers: int, max_image_pixels: int | None, retries: int, device: torch.device,
@@ -322,8 +338,6 @@ def evaluate(
     process). Skipped samples are counted by reason as <prefix>bad/<reason>. `preprocess`: the run's, of which
     evaluation takes the deterministic transform. `progress`: show progress bars (on the rank that logs). `stop`:
     asked before each forward; EvaluationStopped is raised once it says so (None: never; see `until_stopped`)."""
-    was_training = model.training
-    model.eval()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     encoder = Encoder(model, device, prepare_images, autocast, image_size, context_length, lockstep, stop)
     results: dict[str, float] = {}
@@ -346,5 +360,4 @@ def evaluate(
         if is_main:
             results.update(set_metrics(eval_set, features, classes, loss, batch_size, solo_group))
             results.update({f"{eval_set.prefix}bad/{reason}": n for reason, n in sorted(bad.items())})
-    model.train(was_training)
     return results if is_main else None

@@ -360,11 +360,10 @@ class Trainer:
         end = cfg.max_steps if cfg.stop_at_step is None else min(cfg.stop_at_step, cfg.max_steps)
         pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         window_start = time.perf_counter()
-        if self.progress.eval_pending:
-            if not self.run_eval():
-                self.metrics.close()
-                return
-            self.progress.eval_pending = False
+        if self.progress.eval_pending and not self.run_eval():  # a stop signal ended the owed evaluation again
+            self.metrics.close()
+            return
+        self.progress.eval_pending = False
         with contextlib.closing(self.loader):  # its workers and decode threads end with the loop, however it ends
             while self.progress.step < end:
                 batch = next(self.loader)
@@ -510,7 +509,6 @@ class Trainer:
                     if results is not None and ema_results is not None:
                         results.update({"eval_ema/" + k.removeprefix("eval/"): v for k, v in ema_results.items()})
         except EvaluationStopped:
-            self.model.train()  # the evaluation had switched it to eval mode
             self.stopped(", in its evaluation, which the resumed run does first")
             return False
         if results is not None:

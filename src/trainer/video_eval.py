@@ -11,7 +11,7 @@ from src.data.image_text import Preprocess
 from src.data.loader import eval_batches
 from src.models.video_clip import VideoCLIP
 from src.parallel.distributed import all_gather_columns
-from src.trainer.evaluate import progress_bar, recall_at, until_stopped
+from src.trainer.evaluate import in_eval_mode, progress_bar, recall_at, until_stopped
 
 KS = (1, 5, 10)
 # Elements of the head's widest activation (the MLP's hidden layer) per chunk of clips scored at once.
@@ -28,6 +28,7 @@ def retrieval_metrics(similarity: torch.Tensor, prefix: str) -> dict[str, float]
 
 
 @torch.no_grad()
+@in_eval_mode
 def evaluate_video(
     model: VideoCLIP, eval_pattern: str, *, frames: slice, total_frames: int, batch_size: int, image_size: int,
     context_length: int, num_workers: int, device: torch.device, prepare_images: Callable[[torch.Tensor], torch.Tensor],
@@ -40,8 +41,6 @@ def evaluate_video(
     (eval/meanpool_t2v_r1, ...; for a model without a head this is its only score, eval/t2v_r1, ...). Clips that
     cannot be read are skipped and counted as eval/bad/<reason>. `progress`: show a progress bar; `stop`: as for
     src.trainer.evaluate.evaluate."""
-    was_training = model.training
-    model.eval()
     visual, videos, queries, weights, texts = [], [], [], [], []
     batches = eval_batches(eval_pattern, batch_size=batch_size, image_size=image_size, context_length=context_length,
                            num_workers=num_workers, frames=total_frames, max_image_pixels=max_image_pixels,
@@ -60,7 +59,6 @@ def evaluate_video(
     mean_pool = retrieval_metrics((video @ text.T).cpu(), "meanpool_" if model.head is not None else "")
     mean_pool.update({f"eval/bad/{reason}": n for reason, n in sorted(batches.bad_counts().items())})
     if model.head is None:
-        model.train(was_training)
         return mean_pool
     all_visual, all_queries, all_weights = torch.cat(visual), torch.cat(queries), torch.cat(weights)
     per_clip = len(text) * all_queries.shape[1] * all_queries.shape[2] * 4  # captions × queries × MLP width
@@ -72,5 +70,4 @@ def evaluate_video(
                                     all_weights, text, group).float().cpu())
     scores = torch.cat(rows)
     scores = all_gather_columns(scores, group)  # each rank scored its own share of the captions
-    model.train(was_training)
     return {**retrieval_metrics(scores, ""), **mean_pool}
