@@ -149,3 +149,24 @@ def test_int8_matmul_at_the_evaluations_row_counts_finishes_and_is_right():
                              env={**os.environ, "PYTHONPATH": ROOT})
     print(result.stdout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def test_int8_matmul_tunes_once_for_row_counts_in_one_power_of_two():
+    """Row counts between two powers of two share one tuned config (the autotuner's key is M's power-of-two
+    ceiling), so an evaluation's new batch sizes run at once instead of benchmarking every config again."""
+    from src.kernels.switchback import kernels
+    from src.kernels.switchback import reference as ref
+
+    torch.manual_seed(0)
+    k, n = 384, 640  # a layer shape no other test tunes, so the counts below are this test's own
+    qw, sw = ref.quantize_int8(torch.randn(n, k, device="cuda"), None)
+    for kernel, tuner in (("pointer", kernels._int8_matmul_kernel), ("tma", kernels._int8_matmul_tma_kernel)):
+        tuned = len(tuner.cache)
+        for rows in (300, 400, 511, 512):
+            qx, sx = ref.quantize_int8(torch.randn(rows, k, device="cuda"), 1)
+            got = kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32, kernel=kernel)
+            assert torch.equal(got, ref.int8_matmul_dequant(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32))
+        assert len(tuner.cache) == tuned + 1, f"{kernel}: {len(tuner.cache) - tuned} tunings for one bucket"
+        qx, sx = ref.quantize_int8(torch.randn(513, k, device="cuda"), 1)
+        kernels.int8_matmul(qx, sx, qw.t(), sw.reshape(1, 1), None, torch.float32, kernel=kernel)
+        assert len(tuner.cache) == tuned + 2, f"{kernel}: 513 rows did not start the next bucket"

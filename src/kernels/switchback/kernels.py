@@ -194,11 +194,13 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
                  out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(configs=_matmul_configs(), key=["M", "N", "K", "HAS_BIAS"])
+    # Tuned per power-of-two bucket of M (M_BUCKET, not read by the kernels), not per row count: an evaluation's
+    # partial and prompt batches would otherwise benchmark every config again for each new count.
+    @triton.autotune(configs=_matmul_configs(), key=["M_BUCKET", "N", "K", "HAS_BIAS"])
     @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
     @triton.jit
     def _int8_matmul_kernel(
-        a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+        a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
         stride_am, stride_bn, stride_om, stride_on, SB_PER_COLUMN: tl.constexpr,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
@@ -229,10 +231,10 @@ if triton is not None:
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
-    @triton.autotune(configs=_matmul_configs(pre_hook=_set_block_shapes), key=["M", "N", "K", "HAS_BIAS"])
+    @triton.autotune(configs=_matmul_configs(pre_hook=_set_block_shapes), key=["M_BUCKET", "N", "K", "HAS_BIAS"])
     @triton.jit
     def _int8_matmul_tma_kernel(
-        a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_om, stride_on,
+        a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_om, stride_on,
         SB_PER_COLUMN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
@@ -320,7 +322,8 @@ def int8_matmul(
     out = torch.empty((m, n), dtype=out_dtype, device=qa.device)
     per_column = scale_b.numel() != 1
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    common = (scale_a.contiguous(), scale_b.contiguous(), out if bias is None else bias, m, n, k)
+    common = (scale_a.contiguous(), scale_b.contiguous(), out if bias is None else bias, m, n, k,
+              triton.next_power_of_2(m))
     if kernel == "auto":
         kernel = "tma" if _tma_fits(qa, qb) else "pointer"
     if kernel == "tma" and not _tma_fits(qa, qb):
