@@ -132,6 +132,40 @@ def test_the_validation_loss_is_the_training_loss_of_the_held_out_batches(shapes
     assert 0 <= results["eval/zeroshot_top1"] <= results["eval/zeroshot_top5"] <= 1
 
 
+def test_recall_at_k_counts_the_columns_scored_above_the_correct_one_and_ties_against_it(monkeypatch):
+    """Recall@k is the share of rows whose correct column is among the k best: without ties it equals ranking by
+    a sort, on several row chunks; a tie with the correct column counts against it."""
+    from src.trainer import evaluate
+
+    monkeypatch.setattr(evaluate, "RECALL_ROWS_PER_CHUNK", 7)
+    torch.manual_seed(0)
+    similarity = torch.randn(50, 50) + 2 * torch.eye(50)
+    ranking = similarity.argsort(dim=1, descending=True)
+    sorted_rank = (ranking == torch.arange(50).unsqueeze(1)).float().argmax(dim=1)
+    got = evaluate.recall_at(similarity, (1, 5, 10))
+    assert got == {k: (sorted_rank < k).float().mean().item() for k in (1, 5, 10)}
+    assert 0 < got[1] < got[5] < got[10] < 1
+    alike = torch.ones(12, 12)  # every caption scored the same: no credit at any k below 12
+    assert evaluate.recall_at(alike, (1, 5, 10)) == {1: 0.0, 5: 0.0, 10: 0.0}
+    one_tie = torch.eye(3) + torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert evaluate.recall_at(one_tie, (1, 2)) == {1: pytest.approx(2 / 3), 2: 1.0}
+
+
+def test_retrieval_bench_matches_openclips_recalls_and_times_both(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "recall.json"
+    result = subprocess.run([sys.executable, "bench/retrieval_metrics.py", "--samples", "300", "--width", "32",
+                             "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["samples"] == 300 and row["ours_s"] > 0 and row["openclip_s"] > 0
+    assert 0 < row["image_to_text_R@1"] < 1
+
+
 def test_preflight_opens_every_listed_set(shapes, image_folder, tmp_path):
     base = ["experiment=quickstart", *data_overrides(shapes)]
     short = tmp_path / "short.txt"

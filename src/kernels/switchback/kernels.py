@@ -194,11 +194,13 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
                  out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    # Tuned per power-of-two bucket of M (M_BUCKET, not read by the kernels), not per row count: an evaluation's
-    # partial and prompt batches would otherwise benchmark every config again for each new count.
+    # Tuned per power-of-two bucket of M (M_BUCKET, not read by the kernels), not per row count, and compiled
+    # without specializing on M (1, a multiple of 16, or neither): an evaluation's partial and prompt batches would
+    # otherwise benchmark every config for each new count and compile every config again for each new kind
+    # (about 9 s a kind on an H100, docs/switchback.md).
     @triton.autotune(configs=_matmul_configs(), key=["M_BUCKET", "N", "K", "HAS_BIAS"])
     @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "M_BUCKET"])
     def _int8_matmul_kernel(
         a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
         stride_am, stride_bn, stride_om, stride_on, SB_PER_COLUMN: tl.constexpr,
@@ -232,7 +234,7 @@ if triton is not None:
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
     @triton.autotune(configs=_matmul_configs(pre_hook=_set_block_shapes), key=["M_BUCKET", "N", "K", "HAS_BIAS"])
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "M_BUCKET"])
     def _int8_matmul_tma_kernel(
         a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_om, stride_on,
         SB_PER_COLUMN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
