@@ -3,8 +3,9 @@
     python bench/retrieval_metrics.py [--samples 5000 20000] [--width 512] [--json OUT.json]
 
 Both score N images against N captions and report recall@1/5/10 each way. OpenCLIP ranks by sorting each row of
-the N × N scores (an int64 ranking as large as four score matrices); ours (`src.trainer.evaluate.recall_at`) counts
-the captions scored at least as high as the correct one, in chunks of rows. Random features have no ties, so the
+the N × N scores (an int64 ranking as large as two score matrices, beside them); ours
+(`src.trainer.evaluate.recall_at` over `score_chunks`) scores 1,024 rows at a time and counts the captions scored at
+least as high as the correct one, so the N × N scores never exist at once. Random features have no ties, so the
 two must give the same recalls (up to float32's mean); the benchmark checks that before it reports times.
 """
 
@@ -21,13 +22,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from src.trainer.evaluate import KS, recall_at  # noqa: E402
+from src.trainer.evaluate import KS, recall_at, score_chunks  # noqa: E402
 
 
 def ours(images: torch.Tensor, texts: torch.Tensor) -> dict[str, float]:
-    similarity = images @ texts.T
-    return {f"{name}_R@{k}": value for name, sim in (("image_to_text", similarity), ("text_to_image", similarity.T))
-            for k, value in recall_at(sim, KS).items()}
+    return {f"{name}_R@{k}": value for name, queries, keys in (("image_to_text", images, texts),
+                                                              ("text_to_image", texts, images))
+            for k, value in recall_at(score_chunks(queries, keys), KS).items()}
 
 
 def openclip(images: torch.Tensor, texts: torch.Tensor) -> dict[str, float]:

@@ -134,21 +134,25 @@ def test_the_validation_loss_is_the_training_loss_of_the_held_out_batches(shapes
 
 def test_recall_at_k_counts_the_columns_scored_above_the_correct_one_and_ties_against_it(monkeypatch):
     """Recall@k is the share of rows whose correct column is among the k best: without ties it equals ranking by
-    a sort, on several row chunks; a tie with the correct column counts against it."""
-    from src.trainer import evaluate
+    a sort, whether the scores come whole in chunks or are scored from features chunk by chunk; a tie with the
+    correct column counts against it."""
+    from src.trainer.evaluate import recall_at, score_chunks
 
-    monkeypatch.setattr(evaluate, "RECALL_ROWS_PER_CHUNK", 7)
+    monkeypatch.setattr("src.trainer.evaluate.RECALL_ROWS_PER_CHUNK", 7)  # several chunks, the last one short
     torch.manual_seed(0)
-    similarity = torch.randn(50, 50) + 2 * torch.eye(50)
+    queries, keys = torch.randn(50, 8), torch.randn(50, 8)
+    keys = keys + 2 * queries  # paired: most rows' correct column ranks high, not all first
+    similarity = queries @ keys.T
     ranking = similarity.argsort(dim=1, descending=True)
     sorted_rank = (ranking == torch.arange(50).unsqueeze(1)).float().argmax(dim=1)
-    got = evaluate.recall_at(similarity, (1, 5, 10))
-    assert got == {k: (sorted_rank < k).float().mean().item() for k in (1, 5, 10)}
-    assert 0 < got[1] < got[5] < got[10] < 1
+    want = {k: (sorted_rank < k).float().mean().item() for k in (1, 5, 10)}
+    assert recall_at(similarity.split(7), (1, 5, 10)) == want
+    assert recall_at(score_chunks(queries, keys), (1, 5, 10)) == want
+    assert 0 < want[1] < want[5] <= want[10] < 1
     alike = torch.ones(12, 12)  # every caption scored the same: no credit at any k below 12
-    assert evaluate.recall_at(alike, (1, 5, 10)) == {1: 0.0, 5: 0.0, 10: 0.0}
+    assert recall_at(alike.split(5), (1, 5, 10)) == {1: 0.0, 5: 0.0, 10: 0.0}
     one_tie = torch.eye(3) + torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    assert evaluate.recall_at(one_tie, (1, 2)) == {1: pytest.approx(2 / 3), 2: 1.0}
+    assert recall_at([one_tie], (1, 2)) == {1: pytest.approx(2 / 3), 2: 1.0}
 
 
 def test_retrieval_bench_matches_openclips_recalls_and_times_both(tmp_path):

@@ -150,17 +150,27 @@ def class_prompts(eval_set: EvalSet) -> tuple[list[str], list[str]]:
     return names, templates
 
 
-RECALL_ROWS_PER_CHUNK = 1024  # rows of the score matrix compared at once: bounds the comparison's memory
+RECALL_ROWS_PER_CHUNK = 1024  # rows of a score matrix scored and compared at once: bounds the memory
 
 
-def recall_at(similarity: torch.Tensor, ks: tuple[int, ...]) -> dict[int, float]:
+def score_chunks(queries: torch.Tensor, keys: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The rows of queries @ keys.T, RECALL_ROWS_PER_CHUNK at a time: the N × N scores never exist at once
+    (40 GB of float32 at N = 100,000)."""
+    return (queries[i : i + RECALL_ROWS_PER_CHUNK] @ keys.T for i in range(0, len(queries), RECALL_ROWS_PER_CHUNK))
+
+
+def recall_at(score_rows: Iterable[torch.Tensor], ks: tuple[int, ...]) -> dict[int, float]:
     """Recall@k for each k: the share of rows whose correct column (row i's is column i) ranks among the first k.
-    A row's rank is the number of other columns scored at least as high as its correct one, so a tie counts
-    against the correct column: a model that scores everything alike gets no credit. Counted, not sorted: an
-    argsort of the N × N scores took minutes on a CPU at N = 20,000, where counting takes a fraction of a second."""
-    correct = similarity.diagonal().unsqueeze(1)
-    ranks = [(similarity[i : i + RECALL_ROWS_PER_CHUNK] >= correct[i : i + RECALL_ROWS_PER_CHUNK]).sum(dim=1) - 1
-             for i in range(0, len(similarity), RECALL_ROWS_PER_CHUNK)]
+    `score_rows`: the score matrix's rows in order, in chunks. A row's rank is the number of other columns scored
+    at least as high as its correct one, so a tie counts against the correct column: a model that scores
+    everything alike gets no credit. Counted, not sorted: an argsort of 20,000 × 20,000 scores took minutes on a
+    CPU, where counting takes seconds (docs/BENCHMARKS.md)."""
+    ranks, first = [], 0
+    for scores in score_rows:
+        rows = torch.arange(len(scores))
+        correct = scores[rows, first + rows].unsqueeze(1)
+        ranks.append((scores >= correct).sum(dim=1) - 1)
+        first += len(scores)
     rank = torch.cat(ranks) if ranks else torch.zeros(0)
     return {k: (rank < k).float().mean().item() for k in ks}
 
@@ -323,9 +333,9 @@ def set_metrics(eval_set: EvalSet, features: dict[str, torch.Tensor], classes: t
         results[f"{prefix}zeroshot_top1"] = (ranked[:, :1] == truth).any(dim=1).float().mean().item()
         results[f"{prefix}zeroshot_top5"] = (ranked == truth).any(dim=1).float().mean().item()
     if eval_set.retrieval and len(image_features):
-        similarity = image_features @ features["texts"].T
-        for name, sim in (("i2t", similarity), ("t2i", similarity.T)):
-            for k, value in recall_at(sim, KS).items():
+        texts = features["texts"]
+        for name, (queries, keys) in (("i2t", (image_features, texts)), ("t2i", (texts, image_features))):
+            for k, value in recall_at(score_chunks(queries, keys), KS).items():
                 results[f"{prefix}{name}_r{k}"] = value
     if eval_set.val_loss and len(image_features):
         results[f"{prefix}val_loss"] = validation_loss(features, loss, batch_size, group)

@@ -11,7 +11,7 @@ from src.data.image_text import Preprocess
 from src.data.loader import eval_batches
 from src.models.video_clip import VideoCLIP
 from src.parallel.distributed import all_gather_columns
-from src.trainer.evaluate import in_eval_mode, progress_bar, recall_at, until_stopped
+from src.trainer.evaluate import RECALL_ROWS_PER_CHUNK, in_eval_mode, progress_bar, recall_at, until_stopped
 
 KS = (1, 5, 10)
 # Elements of the head's widest activation (the MLP's hidden layer) per chunk of clips scored at once.
@@ -22,7 +22,7 @@ def retrieval_metrics(similarity: torch.Tensor, prefix: str) -> dict[str, float]
     """similarity (clips, captions), where clip i belongs with caption i."""
     results = {}
     for name, sim in (("v2t", similarity), ("t2v", similarity.T)):
-        for k, value in recall_at(sim, KS).items():
+        for k, value in recall_at(sim.split(RECALL_ROWS_PER_CHUNK), KS).items():
             results[f"eval/{prefix}{name}_r{k}"] = value
     return results
 
