@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -19,9 +21,10 @@ from src.data.shards import expand_shards
 from src.parallel.distributed import DistInfo
 from src.parallel.parallelize import apply_fsdp
 from src.tools.synthetic_shapes import CLASSES
+from src.trainer.evaluate import recall_at, score_chunks
 from src.trainer.preflight import preflight
 from src.trainer.trainer import image_text_parts
-from tests.conftest import compose_config, data_overrides, fork_ranks, free_port, run_train
+from tests.conftest import ROOT, compose_config, data_overrides, fork_ranks, free_port, run_train
 from tests.test_data import png_bomb
 from tests.test_trainer import read_metrics, tiny_run
 
@@ -136,8 +139,6 @@ def test_recall_at_k_counts_the_columns_scored_above_the_correct_one_and_ties_ag
     """Recall@k is the share of rows whose correct column is among the k best: without ties it equals ranking by
     a sort, whether the scores come whole in chunks or are scored from features chunk by chunk; a tie with the
     correct column counts against it."""
-    from src.trainer.evaluate import recall_at, score_chunks
-
     monkeypatch.setattr("src.trainer.evaluate.RECALL_ROWS_PER_CHUNK", 7)  # several chunks, the last one short
     torch.manual_seed(0)
     queries, keys = torch.randn(50, 8), torch.randn(50, 8)
@@ -156,11 +157,6 @@ def test_recall_at_k_counts_the_columns_scored_above_the_correct_one_and_ties_ag
 
 
 def test_retrieval_bench_matches_openclips_recalls_and_times_both(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
     out = tmp_path / "recall.json"
     result = subprocess.run([sys.executable, "bench/retrieval_metrics.py", "--samples", "300", "--width", "32",
                              "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
